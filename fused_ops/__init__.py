@@ -1,0 +1,12 @@
+"""Triton kernels for a fused MLP: linear+bias+activation forward, dgrad with the activation derivative
+fused, gated (GLU) variants, their autograd Functions and the FusedMLP layer."""
+
+from .activations import GATED, PLAIN, kernel_activations
+from .dgrad import linear_act_dgrad
+from .linear_act import linear_act_forward
+from .mlp import FusedMLP, FusedMLPFunction, LinearActFunction, check_mlp_args, fused_mlp, kernels_can_run, linear_act
+
+__all__ = [
+    "GATED", "PLAIN", "kernel_activations", "linear_act_dgrad", "linear_act_forward", "FusedMLP",
+    "FusedMLPFunction", "LinearActFunction", "check_mlp_args", "fused_mlp", "kernels_can_run", "linear_act",
+]

@@ -1,0 +1,159 @@
+"""The fused MLP: autograd Functions over the kernels, and FusedMLP, a drop-in for model.MLP.
+
+Forward:   h, pre = linear_act_forward(x, W1, b1)       (Triton: matmul + bias + activation, saves pre)
+           y = h @ W2.T + b2                           (cuBLAS, bias in its epilogue)
+Backward:  dW2 = grad_y.T @ h, db2 = grad_y.sum(0)     (cuBLAS)
+           grad_pre, db1 = linear_act_dgrad(grad_y, W2, pre)   (Triton: matmul * act'(pre), bias sums fused)
+           dW1 = grad_pre.T @ x, dx = grad_pre @ W1     (cuBLAS)
+"""
+
+import torch
+
+from model import MLP, PLAIN_ACTIVATIONS, GATED_ACTIVATIONS
+
+from .activations import kernel_activations
+from .dgrad import linear_act_dgrad
+from .linear_act import linear_act_forward
+from .tuning import INTERPRET
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def kernels_can_run(x):
+    """The Triton kernels take CUDA tensors, or CPU tensors under the interpreter (TRITON_INTERPRET=1)."""
+    return x.is_cuda or (INTERPRET and x.device.type == "cpu")
+
+
+def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation):
+    """Reject what the kernels cannot take with an error naming the argument, before any launch."""
+    _, _, gated = kernel_activations(activation)  # raises on an unknown name
+    if not kernels_can_run(x):
+        raise ValueError(f"x is on {x.device}: the fused MLP needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+                         "Triton is imported, to run the kernels on CPU); use mlp='eager' or 'auto' instead")
+    named = {"x": x, "w_fc": w_fc, "b_fc": b_fc, "w_proj": w_proj, "b_proj": b_proj}
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; the fused MLP takes {KERNEL_DTYPES}")
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}: all tensors must share one dtype")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if x.dim() < 2:
+        raise ValueError(f"x must have shape (..., C) with at least 2 dims, got {tuple(x.shape)}")
+    if w_fc.dim() != 2 or w_proj.dim() != 2:
+        raise ValueError(f"w_fc and w_proj must be 2-D, got {tuple(w_fc.shape)} and {tuple(w_proj.shape)}")
+    C, H = w_proj.shape
+    if x.shape[-1] != C or w_fc.shape[1] != C:
+        raise ValueError(f"x's last dim ({x.shape[-1]}), w_fc.shape[1] ({w_fc.shape[1]}) and w_proj.shape[0] ({C}) "
+                         "must all equal the model width C")
+    expected = 2 * H if gated else H
+    if w_fc.shape[0] != expected:
+        raise ValueError(f"w_fc must have {'2*H' if gated else 'H'} = {expected} rows for activation "
+                         f"{activation!r} (H = w_proj.shape[1] = {H}), got {w_fc.shape[0]}")
+    for name, b, n in (("b_fc", b_fc, expected), ("b_proj", b_proj, C)):
+        if b is not None and tuple(b.shape) != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(b.shape)}")
+
+
+class LinearActFunction(torch.autograd.Function):
+    """out = act(x @ W.T + b) on its own (no following linear to fuse the derivative into)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        x2 = x.reshape(-1, x.shape[-1])
+        needs_grad = any(ctx.needs_input_grad[:3])
+        out, pre = linear_act_forward(x2, weight, bias, activation, save_pre=needs_grad)
+        ctx.activation = activation
+        if needs_grad:
+            ctx.save_for_backward(x2, weight, pre)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight, pre = ctx.saved_tensors
+        # The derivative as an elementwise pass through PyTorch's autograd of the eager activation.
+        with torch.enable_grad():
+            p = pre.detach().requires_grad_()
+            h = (GATED_ACTIVATIONS[ctx.activation](*p.chunk(2, dim=-1)) if ctx.activation in GATED_ACTIVATIONS
+                 else PLAIN_ACTIVATIONS.get(ctx.activation, lambda t: t)(p))
+            (grad_pre,) = torch.autograd.grad(h, p, grad_out.reshape(h.shape))
+        grad_x = (grad_pre @ weight).view(*grad_out.shape[:-1], x2.shape[1]) if ctx.needs_input_grad[0] else None
+        grad_w = grad_pre.t() @ x2 if ctx.needs_input_grad[1] else None
+        grad_b = grad_pre.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+class FusedMLPFunction(torch.autograd.Function):
+    """y = act(x @ W1.T + b1) @ W2.T + b2, with the activation derivative fused into backward's dgrad."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation):
+        x2 = x.reshape(-1, x.shape[-1])
+        needs_grad = any(ctx.needs_input_grad[:5])
+        h, pre = linear_act_forward(x2, w_fc, b_fc, activation, save_pre=needs_grad)
+        y = h @ w_proj.t() if b_proj is None else torch.addmm(b_proj, h, w_proj.t())
+        ctx.activation, ctx.has_bias = activation, (b_fc is not None, b_proj is not None)
+        if needs_grad:
+            ctx.save_for_backward(x2, w_fc, w_proj, h, pre)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2, w_fc, w_proj, h, pre = ctx.saved_tensors
+        need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj = ctx.needs_input_grad[:5]
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_w_proj = g.t() @ h if need_w_proj else None
+        grad_b_proj = g.sum(0) if need_b_proj else None
+        grad_pre, grad_b_fc = linear_act_dgrad(g, w_proj, pre, ctx.activation, bias_grad=ctx.has_bias[0] and need_b_fc)
+        grad_w_fc = grad_pre.t() @ x2 if need_w_fc else None
+        grad_x = (grad_pre @ w_fc).view(*grad_y.shape[:-1], x2.shape[1]) if need_x else None
+        if grad_b_fc is not None:
+            grad_b_fc = grad_b_fc.to(grad_pre.dtype)
+        return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj, None
+
+
+def _autocast(*tensors):
+    """Cast to the autocast dtype when autocast is on, as nn.Linear would (the casts stay differentiable)."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+
+
+def fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation):
+    """act(x @ w_fc.T + b_fc) @ w_proj.T + b_proj through the Triton kernels; x of shape (..., C)."""
+    x, w_fc, b_fc, w_proj, b_proj = _autocast(x, w_fc, b_fc, w_proj, b_proj)
+    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation)
+    with torch.autocast(x.device.type, enabled=False):
+        return FusedMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation)
+
+
+def linear_act(x, weight, bias, activation):
+    """act(x @ weight.T + bias) through the Triton kernel; x of shape (..., K)."""
+    x, weight, bias = _autocast(x, weight, bias)
+    _, _, gated = kernel_activations(activation)
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    # Reuse the MLP's checks with a stand-in (n_out, n) projection shape.
+    check_mlp_args(x, weight, bias, weight.new_empty(x.shape[-1], n), None, activation)
+    with torch.autocast(x.device.type, enabled=False):
+        return LinearActFunction.apply(x, weight, bias, activation)
+
+
+class FusedMLP(MLP):
+    """model.MLP with the forward through the fused kernels: same parameters, same checkpoints.
+
+    fallback=True (mlp="auto") runs the eager forward for tensors the kernels cannot take (e.g. on CPU).
+    """
+
+    def __init__(self, config, fallback=False):
+        super().__init__(config)
+        self.fallback = fallback
+
+    def forward(self, x):
+        if self.fallback and not kernels_can_run(x):
+            return super().forward(x)
+        y = fused_mlp(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias, self.activation)
+        return self.dropout(y)

@@ -1,0 +1,281 @@
+"""
+A small GPT in plain PyTorch, in the spirit of nanoGPT.
+
+One config field, `mlp`, picks how the MLP runs: "eager" (plain PyTorch, below), "fused" (our Triton
+kernels in fused_ops/) or "auto" (fused when the tensors are on a CUDA GPU and Triton works, eager
+otherwise). Both paths own exactly the same parameters, so a checkpoint trained one way loads the other.
+"""
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# Plain activations act on the whole hidden vector.
+PLAIN_ACTIVATIONS = {
+    "gelu": F.gelu,  # exact erf form, GPT-2's choice
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Primer)
+}
+# Gated activations (the GLU family) combine two halves of c_fc's output: a gate and an "up" projection.
+GATED_ACTIVATIONS = {
+    "swiglu": lambda gate, up: F.silu(gate) * up,
+    "geglu": lambda gate, up: F.gelu(gate) * up,
+    "geglu_tanh": lambda gate, up: F.gelu(gate, approximate="tanh") * up,
+    "sigmoid_tanh": lambda gate, up: torch.sigmoid(gate) * torch.tanh(up),
+}
+MLP_KINDS = ("eager", "fused", "auto")
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linears and LayerNorms, as GPT-2
+    mlp: str = "eager"  # "eager" | "fused" | "auto"
+    activation: str = "gelu"  # a key of PLAIN_ACTIVATIONS or GATED_ACTIVATIONS
+
+    def __post_init__(self):
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"config key 'mlp' must be one of {MLP_KINDS}, got {self.mlp!r}")
+        known = list(PLAIN_ACTIVATIONS) + list(GATED_ACTIVATIONS)
+        if self.activation not in known:
+            raise ValueError(f"config key 'activation' must be one of {known}, got {self.activation!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"config key 'n_embd' ({self.n_embd}) must be divisible by 'n_head' ({self.n_head})")
+
+    @property
+    def gated(self):
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def mlp_hidden(self):
+        # Gated MLPs have three matrices instead of two; 8/3·C (rounded up to a multiple of 64) keeps
+        # the parameter count close to the plain MLP's 4·C.
+        if self.gated:
+            return 64 * math.ceil(8 * self.n_embd / 3 / 64)
+        return 4 * self.n_embd
+
+
+class KVCache:
+    """Keys and values of the positions seen so far for one attention layer, so generation feeds only new tokens."""
+
+    def __init__(self, max_len):
+        self.max_len, self.length, self.k, self.v = max_len, 0, None, None
+
+    def append(self, k, v):
+        if self.k is None:  # allocate on first use, in the dtype autocast gives k and v
+            B, nh, _, hd = k.shape
+            self.k = k.new_empty(B, nh, self.max_len, hd)
+            self.v = torch.empty_like(self.k)
+        t0, t1 = self.length, self.length + k.size(2)
+        if t1 > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {t1} requested")
+        self.k[:, :, t0:t1], self.v[:, :, t0:t1] = k, v
+        self.length = t1
+        return self.k[:, :, :t1], self.v[:, :, :t1]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cache=None):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        mask, causal = None, True
+        if cache is not None:
+            k, v = cache.append(k, v)
+            if k.size(2) != T:  # new queries sit at the end of a longer key sequence: offset the causal mask
+                causal = False
+                past = k.size(2) - T
+                mask = torch.arange(k.size(2), device=x.device) <= past + torch.arange(T, device=x.device)[:, None]
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """The eager MLP: c_fc, activation, c_proj. For gated activations c_fc makes [gate | up] in one matmul."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.activation, self.gated = config.activation, config.gated
+        hidden = config.mlp_hidden
+        self.c_fc = nn.Linear(config.n_embd, 2 * hidden if self.gated else hidden, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        h = self.c_fc(x)
+        if self.gated:
+            h = GATED_ACTIVATIONS[self.activation](*h.chunk(2, dim=-1))
+        else:
+            h = PLAIN_ACTIVATIONS[self.activation](h)
+        return self.dropout(self.c_proj(h))
+
+
+def make_mlp(config):
+    """The one switch between the eager and the fused MLP. Both have the same parameters."""
+    if config.mlp == "eager":
+        return MLP(config)
+    try:
+        from fused_ops import FusedMLP
+    except ImportError as e:  # no Triton on this machine
+        if config.mlp == "auto":
+            return MLP(config)
+        raise ImportError(f"mlp='fused' needs Triton ({e}); install it or set mlp='eager' or 'auto'") from e
+    # "auto" falls back to the eager computation for tensors the kernels cannot take (e.g. on CPU).
+    return FusedMLP(config, fallback=config.mlp == "auto")
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = make_mlp(config)
+
+    def forward(self, x, cache=None):
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+# Peak dense bf16 tensor-core FLOP/s by GPU model (vendor datasheets, without sparsity). Order matters:
+# the first key found in the device name wins, so specific names come before general ones.
+GPU_PEAK_BF16_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM
+    "H200": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+}
+
+
+def gpu_peak_flops(device_name):
+    """Peak bf16 FLOP/s for a device name such as 'NVIDIA H100 80GB HBM3', or None if unknown."""
+    for key, flops in GPU_PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return flops
+    return None
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: each residual projection adds to the stream, so shrink it by sqrt(2 * n_layer).
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameter count; position embeddings are left out by default (token embeddings are tied to lm_head)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, kv_caches=None):
+        b, t = idx.size()
+        start = kv_caches[0].length if kv_caches else 0
+        if start + t > self.config.block_size:
+            raise ValueError(f"sequence of length {start + t} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(start, start + t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, kv_caches[i] if kv_caches else None)
+        x = self.transformer.ln_f(x)
+        if targets is None:  # inference: only the last position's logits are needed
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def crop_block_size(self, block_size):
+        """Shrink the context length (e.g. to fine-tune a checkpoint on shorter sequences)."""
+        assert block_size <= self.config.block_size
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        # Decay matrices and embeddings; never biases or LayerNorm gains (the 1-D parameters).
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        use_fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if use_fused else {}))
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt):
+        """Model FLOPs utilization against the GPU's peak bf16 rate; None where that peak is unknown (CPU too)."""
+        if not torch.cuda.is_available():
+            return None
+        peak = gpu_peak_flops(torch.cuda.get_device_name())
+        if peak is None:
+            return None
+        cfg = self.config
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        flops_per_token = 6 * self.get_num_params() + 12 * L * H * Q * T  # PaLM appendix B
+        return flops_per_token * T * fwdbwd_per_iter / dt / peak
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_kv_cache=True):
+        """Continue each row of idx (b, t) by max_new_tokens sampled tokens. Call in eval() mode.
+
+        With the KV cache each step runs the model on one new token. Past block_size every position
+        shifts by one per step, so the cache is refilled from the cropped context, exactly as without it.
+        """
+        caches = None
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size:]
+            if not use_kv_cache:
+                logits, _ = self(context)
+            elif caches is None or idx.size(1) > self.config.block_size:
+                caches = [KVCache(self.config.block_size) for _ in range(self.config.n_layer)]
+                logits, _ = self(context, kv_caches=caches)
+            else:
+                logits, _ = self(idx[:, -1:], kv_caches=caches)
+            logits = logits[:, -1, :] / max(temperature, 1e-8)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
+        return idx
