@@ -1,0 +1,146 @@
+"""Time the MLP alone: the fused kernels against cuBLAS matmuls, eager PyTorch and torch.compile.
+
+    python bench_mlp.py                      # GPT-2 small MLP (M=12288, C=768), gelu and swiglu, bf16
+    python bench_mlp.py --widths 768,1024,2048,4096 --out results/mlp.json
+
+Every number is a median of triton.testing.do_bench on random data, all measured in one run. The floor
+is the MLP's matmul FLOPs at the matmul peak measured in the same run (an 8192^3 bf16 product).
+Each fused result is first checked against a float64 reference (the 2x eager-error rule).
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from fused_ops import linear_act_dgrad, linear_act_forward
+from model import MLP, GPTConfig
+from tests.numerics import rel_err
+
+DTYPE = torch.bfloat16
+
+
+def bench(fn, **kw):
+    return do_bench(fn, warmup=50, rep=200, return_mode="median", **kw)
+
+
+def measure_peaks():
+    n = 8192
+    a, b = torch.randn(n, n, device="cuda", dtype=DTYPE), torch.randn(n, n, device="cuda", dtype=DTYPE)
+    tflops = 2 * n ** 3 / bench(lambda: a @ b) / 1e9
+    src = torch.randn(2 ** 28, device="cuda", dtype=DTYPE)  # 512 MiB, far past L2
+    dst = torch.empty_like(src)
+    gbps = 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src)) / 1e6
+    return tflops, gbps
+
+
+def mlp_case(C, M, activation, compile_times):
+    cfg = GPTConfig(n_embd=C, n_head=1, activation=activation, bias=True)
+    H, gated = cfg.mlp_hidden, cfg.gated
+    mlp = MLP(cfg).cuda().to(DTYPE)
+    w1, b1, w2, b2 = mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias
+    x = torch.randn(M, C, device="cuda", dtype=DTYPE, requires_grad=True)
+    dy = torch.randn(M, C, device="cuda", dtype=DTYPE)
+    from fused_ops import FusedMLP
+
+    fused = FusedMLP(cfg).cuda().to(DTYPE)
+    fused.load_state_dict(mlp.state_dict())
+    compiled = torch.compile(mlp)
+
+    # Correctness at this shape first: forward and every gradient against float64.
+    t0 = time.perf_counter()
+    outs = {}
+    for name, m in (("fused", fused), ("eager", mlp)):
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        y = m(x)
+        y.backward(dy)
+        outs[name] = [y.detach()] + [x.grad] + [p.grad for p in m.parameters()]
+    torch.cuda.synchronize()
+    compile_times[f"{activation} C={C} first call (autotune + compile)"] = time.perf_counter() - t0
+    ref_mlp = MLP(cfg).cuda().double()
+    ref_mlp.load_state_dict(mlp.state_dict())
+    xr = x.detach().double().requires_grad_()
+    yr = ref_mlp(xr)
+    yr.backward(dy.double())
+    ref = [yr] + [xr.grad] + [p.grad for p in ref_mlp.parameters()]
+    errors = {"fused": [rel_err(o, r) for o, r in zip(outs["fused"], ref)],
+              "eager": [rel_err(o, r) for o, r in zip(outs["eager"], ref)]}
+    ok = all(f <= 2 * e + 1e-3 for f, e in zip(errors["fused"], errors["eager"]))
+
+    params = list(mlp.parameters()) + list(fused.parameters()) + [x]
+    n_rows = 2 * H if gated else H
+    flops_fwd = 2 * M * C * n_rows + 2 * M * H * C
+    row = {"C": C, "M": M, "H": H, "activation": activation, "correct": ok,
+           "max_rel_err_fused": max(errors["fused"]), "max_rel_err_eager": max(errors["eager"])}
+
+    def fwd_bwd(m):
+        def run():
+            m(x).backward(dy)
+        return run
+
+    with torch.no_grad():
+        row["eager_fwd_ms"] = bench(lambda: mlp(x))
+        row["compile_fwd_ms"] = bench(lambda: compiled(x))
+        row["fused_fwd_ms"] = bench(lambda: fused(x))
+    row["eager_fwdbwd_ms"] = bench(fwd_bwd(mlp), grad_to_none=params)
+    row["compile_fwdbwd_ms"] = bench(fwd_bwd(compiled), grad_to_none=params)
+    row["fused_fwdbwd_ms"] = bench(fwd_bwd(fused), grad_to_none=params)
+
+    # The two kernels against the plain cuBLAS matmul of the same shape.
+    xd = x.detach()
+    pre = torch.empty(M, n_rows, device="cuda", dtype=DTYPE)
+    out = torch.empty(M, H, device="cuda", dtype=DTYPE)
+    row["matmul_fc_ms"] = bench(lambda: xd @ w1.t())
+    row["kernel_fwd_save_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, out=out, pre=pre))
+    row["kernel_fwd_nosave_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, save_pre=False, out=out))
+    gp = torch.empty_like(pre)
+    row["matmul_dgrad_ms"] = bench(lambda: dy @ w2)
+    row["kernel_dgrad_ms"] = bench(lambda: linear_act_dgrad(dy, w2, pre, activation, out=gp))
+    row["floor_fwd_ms"] = flops_fwd / PEAK_TFLOPS / 1e9
+    row["floor_fwdbwd_ms"] = 3 * flops_fwd / PEAK_TFLOPS / 1e9
+    return row
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--widths", default="768", help="comma-separated model widths C")
+    ap.add_argument("--tokens", default="", help="comma-separated M per width (default 12288 for 768, else 16384/8192)")
+    ap.add_argument("--activations", default="gelu,swiglu")
+    ap.add_argument("--out", default="results/mlp.json")
+    args = ap.parse_args()
+    widths = [int(c) for c in args.widths.split(",")]
+    default_m = {768: 12288, 1024: 16384, 2048: 8192, 4096: 8192}
+    tokens = [int(m) for m in args.tokens.split(",")] if args.tokens else [default_m.get(c, 8192) for c in widths]
+
+    torch.manual_seed(0)
+    PEAK_TFLOPS, BANDWIDTH = measure_peaks()
+    print(f"measured: bf16 matmul {PEAK_TFLOPS:.0f} TFLOP/s, copy {BANDWIDTH:.0f} GB/s")
+    compile_times, rows = {}, []
+    for C, M in zip(widths, tokens):
+        for act in args.activations.split(","):
+            rows.append(mlp_case(C, M, act, compile_times))
+            print(f"done C={C} {act}", flush=True)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%d"), "matmul_tflops": PEAK_TFLOPS, "copy_gbps": BANDWIDTH,
+           "first_call_seconds": compile_times}
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+
+    print(f"\n{env['gpu']}  torch {env['torch']}  triton {env['triton']}  {env['date']}")
+    for k, v in compile_times.items():
+        print(f"  {k}: {v:.1f} s")
+    hdr = f"{'case':<16}{'ok':>4}{'eager':>8}{'compile':>8}{'fused':>8}{'floor':>8}{'xEager':>7}{'xComp':>7}" \
+          f"{'fwd/mm':>8}{'fwdNS/mm':>9}{'dgrad/mm':>9}"
+    print("fwd+bwd ms (ratios: speedup of fused; kernel time / same-shape cuBLAS matmul)\n" + hdr)
+    for r in rows:
+        print(f"{r['activation'] + ' C=' + str(r['C']):<16}{'y' if r['correct'] else 'NO':>4}"
+              f"{r['eager_fwdbwd_ms']:8.3f}{r['compile_fwdbwd_ms']:8.3f}{r['fused_fwdbwd_ms']:8.3f}{r['floor_fwdbwd_ms']:8.3f}"
+              f"{r['eager_fwdbwd_ms'] / r['fused_fwdbwd_ms']:7.2f}{r['compile_fwdbwd_ms'] / r['fused_fwdbwd_ms']:7.2f}"
+              f"{r['kernel_fwd_save_ms'] / r['matmul_fc_ms']:8.2f}{r['kernel_fwd_nosave_ms'] / r['matmul_fc_ms']:9.2f}"
+              f"{r['kernel_dgrad_ms'] / r['matmul_dgrad_ms']:9.2f}")
+    print("fwd ms: " + "  ".join(f"{r['activation']} C={r['C']}: eager {r['eager_fwd_ms']:.3f} compile "
+                                 f"{r['compile_fwd_ms']:.3f} fused {r['fused_fwd_ms']:.3f}" for r in rows))

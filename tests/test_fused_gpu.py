@@ -1,0 +1,82 @@
+"""GPU-only checks: bf16/fp16/fp32 at training-size and odd shapes, and a whole GPT under bf16 autocast.
+Skipped without CUDA (the CPU suite covers the same code through the interpreter, without bf16)."""
+
+import pytest
+import torch
+
+from fused_ops import linear_act_dgrad, linear_act_forward
+from fused_ops.mlp import fused_mlp
+from model import GATED_ACTIVATIONS, GPT, GPTConfig, PLAIN_ACTIVATIONS
+from numerics import assert_no_worse_than_eager, poisoned
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPES = [(4096, 768, 3072), (1000, 777, 1531), (3, 64, 2048), (12288, 768, 2048)]  # (M, K, N)
+
+
+def eager_act(name, z):
+    if name in GATED_ACTIVATIONS:
+        return GATED_ACTIVATIONS[name](*z.chunk(2, dim=-1))
+    return PLAIN_ACTIVATIONS[name](z)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu2", "swiglu", "geglu", "sigmoid_tanh"])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_forward_and_dgrad_large_and_odd(dtype, act, M, K, N):
+    gated = act in GATED_ACTIVATIONS
+    rows = (2 if gated else 1) * N
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
+    w = (torch.randn(rows, K, device="cuda") * K ** -0.5).to(dtype)
+    b = torch.randn(rows, device="cuda", dtype=dtype)
+    out, pre = poisoned((M, N), dtype, "cuda"), poisoned((M, rows), dtype, "cuda")
+    linear_act_forward(x, w, b, act, out=out, pre=pre)
+    z64 = torch.addmm(b.double(), x.double(), w.double().t())
+    z_eager = torch.addmm(b, x, w.t())
+    assert_no_worse_than_eager(pre, z_eager, z64, "pre")
+    assert_no_worse_than_eager(out, eager_act(act, z_eager), eager_act(act, z64), "out")
+
+    grad_y = torch.randn(M, K, device="cuda", dtype=dtype)
+    w2 = (torch.randn(K, N, device="cuda") * N ** -0.5).to(dtype)
+    grad_pre = poisoned(pre.shape, dtype, "cuda")
+    _, grad_b = linear_act_dgrad(grad_y, w2, pre, act, out=grad_pre)
+
+    def eager_grad(p, gy, w):
+        p = p.detach().requires_grad_()
+        (g,) = torch.autograd.grad(eager_act(act, p), p, gy @ w)
+        return g
+
+    ref = eager_grad(pre.double(), grad_y.double(), w2.double())
+    eager = eager_grad(pre, grad_y, w2)
+    assert_no_worse_than_eager(grad_pre, eager, ref, "grad_pre")
+    assert_no_worse_than_eager(grad_b, eager.float().sum(0), ref.sum(0), "bias grad")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "sigmoid_tanh"])
+def test_gpt_under_bf16_autocast(activation):
+    torch.manual_seed(0)
+    cfg = dict(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=256, activation=activation)
+    eager = GPT(GPTConfig(mlp="eager", **cfg)).cuda()
+    fused = GPT(GPTConfig(mlp="fused", **cfg)).cuda()
+    fused.load_state_dict(eager.state_dict())
+    reference = GPT(GPTConfig(mlp="eager", **cfg)).cuda().double()
+    reference.load_state_dict(eager.state_dict())
+    idx = torch.randint(0, 512, (8, 128), device="cuda")
+    tgt = torch.randint(0, 512, (8, 128), device="cuda")
+    results = {}
+    for name, model, autocast in (("fused", fused, True), ("eager", eager, True), ("ref", reference, False)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            _, loss = model(idx, tgt)
+        loss.backward()
+        results[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    assert torch.isfinite(results["fused"][0])
+    assert_no_worse_than_eager(results["fused"][0].float(), results["eager"][0].float(), results["ref"][0], "loss")
+    for n, g in results["fused"][1].items():
+        assert_no_worse_than_eager(g, results["eager"][1][n], results["ref"][1][n], f"grad {n}")
+
+
+def test_fused_mlp_rejects_mixed_devices():
+    x = torch.randn(4, 8, device="cuda")
+    w_fc, w_proj = torch.randn(32, 8, device="cuda"), torch.randn(8, 32)
+    with pytest.raises(ValueError, match="w_proj is on cpu"):
+        fused_mlp(x, w_fc, None, w_proj, None, "gelu")

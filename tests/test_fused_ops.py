@@ -1,0 +1,171 @@
+"""The fused kernels against float64 references and the same-dtype eager PyTorch path.
+
+Runs on CUDA when there is a GPU, else on CPU through Triton's interpreter (small shapes; no bf16 there,
+since bf16 tl.dot is wrong in the interpreter: bf16 is covered by test_fused_gpu.py).
+"""
+
+import pytest
+import torch
+
+import fused_ops
+from fused_ops import linear_act_dgrad, linear_act_forward
+from fused_ops.mlp import FusedMLPFunction, LinearActFunction, fused_mlp, linear_act
+from model import GATED_ACTIVATIONS, PLAIN_ACTIVATIONS
+from numerics import assert_no_worse_than_eager, poisoned, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+ALL_ACTS = ["identity", "gelu", "gelu_tanh", "relu", "relu2"] + list(GATED_ACTIVATIONS)
+SHAPES = [(1, 16, 16), (37, 45, 70), (64, 32, 32), (70, 96, 33)]  # (M, K, N); most are not block multiples
+
+
+def eager_act(name, z):
+    """The model's eager activation on a pre-activation z ((M, N), or (M, 2N) = [gate | up] when gated)."""
+    if name in GATED_ACTIVATIONS:
+        return GATED_ACTIVATIONS[name](*z.chunk(2, dim=-1))
+    return z if name == "identity" else PLAIN_ACTIVATIONS[name](z)
+
+
+def make(shape, dtype, scale=1.0, gen=None):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("act", ALL_ACTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_linear_act_forward(act, dtype, M, K, N):
+    gated = act in GATED_ACTIVATIONS
+    x, w, b = make((M, K), dtype), make(((2 if gated else 1) * N, K), dtype, K ** -0.5), make(((2 if gated else 1) * N,), dtype)
+    out, pre = poisoned((M, N), dtype, DEVICE), poisoned((M, w.shape[0]), dtype, DEVICE)
+    linear_act_forward(x, w, b, act, out=out, pre=pre)
+
+    z64 = x.double() @ w.double().t() + b.double()
+    z_eager = torch.addmm(b, x, w.t())
+    assert_no_worse_than_eager(pre, z_eager, z64, "pre-activation")
+    assert_no_worse_than_eager(out, eager_act(act, z_eager), eager_act(act, z64), "output")
+
+
+@pytest.mark.parametrize("act", ALL_ACTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_dgrad(act, dtype, M, K, N):
+    """grad_pre = (grad_y @ W2) * act'(pre) and its column sums (the first linear's bias gradient)."""
+    gated = act in GATED_ACTIVATIONS
+    grad_y, w2 = make((M, K), dtype), make((K, N), dtype, K ** -0.5)
+    pre = make((M, (2 if gated else 1) * N), dtype)
+    out = poisoned(pre.shape, dtype, DEVICE)
+    grad_pre, grad_bias = linear_act_dgrad(grad_y, w2, pre, act, out=out)
+    assert grad_pre is out
+
+    def eager_grad(pre_t, gy, w):
+        p = pre_t.detach().requires_grad_()
+        (g,) = torch.autograd.grad(eager_act(act, p), p, gy @ w)
+        return g
+
+    ref = eager_grad(pre.double(), grad_y.double(), w2.double())
+    eager = eager_grad(pre, grad_y, w2)
+    assert_no_worse_than_eager(grad_pre, eager, ref, "grad_pre")
+    assert_no_worse_than_eager(grad_bias, eager.float().sum(0), ref.sum(0), "bias grad")
+
+
+def _mlp_tensors(dtype, act, M=33, C=40, H=72, bias=True, shape=None):
+    gated = act in GATED_ACTIVATIONS
+    x = make(shape or (M, C), dtype)
+    w_fc, w_proj = make(((2 if gated else 1) * H, C), dtype, C ** -0.5), make((C, H), dtype, H ** -0.5)
+    b_fc = make((w_fc.shape[0],), dtype) if bias else None
+    b_proj = make((C,), dtype) if bias else None
+    return x, w_fc, b_fc, w_proj, b_proj
+
+
+def _eager_mlp(x, w_fc, b_fc, w_proj, b_proj, act):
+    h = eager_act(act, torch.nn.functional.linear(x, w_fc, b_fc))
+    return torch.nn.functional.linear(h, w_proj, b_proj)
+
+
+def _run_with_grads(fn, tensors, grad_y):
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in tensors]
+    y = fn(*leaves)
+    y.backward(grad_y)
+    return [y] + [t.grad for t in leaves if t is not None]
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu2", "swiglu", "sigmoid_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_mlp_output_and_all_gradients(act, dtype, bias):
+    tensors = _mlp_tensors(dtype, act, bias=bias, shape=(3, 11, 40))  # 3-D input, M = 33
+    grad_y = make((3, 11, 40), dtype)
+    fused = _run_with_grads(lambda *t: fused_mlp(*t, act), tensors, grad_y)
+    eager = _run_with_grads(lambda *t: _eager_mlp(*t, act), tensors, grad_y)
+    ref = _run_with_grads(lambda *t: _eager_mlp(*t, act), [t.double() if t is not None else None for t in tensors],
+                          grad_y.double())
+    names = ["y", "grad_x", "grad_w_fc"] + (["grad_b_fc"] if bias else []) + ["grad_w_proj"] + (["grad_b_proj"] if bias else [])
+    for name, f, e, r in zip(names, fused, eager, ref):
+        assert f.shape == r.shape and f.dtype == e.dtype, name
+        assert_no_worse_than_eager(f, e, r, f"{act} {dtype} {name}")
+
+
+def test_non_contiguous_inputs():
+    act = "gelu"
+    _, w_fc, b_fc, w_proj, b_proj = _mlp_tensors(torch.float32, act)
+    base = make((40, 66), torch.float32)
+    x = base.t()[:, :40][:, ::1]  # (66, 40) view with strides (1, 66): column-major
+    assert not x.is_contiguous()
+    y = fused_mlp(x, w_fc, b_fc, w_proj.t().contiguous().t(), b_proj, act)  # w_proj column-major too
+    ref = _eager_mlp(x.double(), w_fc.double(), b_fc.double(), w_proj.double(), b_proj.double(), act)
+    assert rel_err(y, ref) < 1e-5
+    wide = make((2, 9, 80), torch.float32)[..., ::2]  # every other feature: a strided last dim
+    y = fused_mlp(wide, w_fc, b_fc, w_proj, b_proj, act)
+    ref = _eager_mlp(wide.double(), w_fc.double(), b_fc.double(), w_proj.double(), b_proj.double(), act)
+    assert y.shape == (2, 9, 40) and rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "swiglu", "sigmoid_tanh"])
+def test_gradcheck_float64(act):
+    tensors = [t.requires_grad_() for t in _mlp_tensors(torch.float64, act, M=5, C=6, H=7)]
+    assert torch.autograd.gradcheck(lambda *t: FusedMLPFunction.apply(*t, act), tensors, eps=1e-6, atol=1e-7)
+    x, w, b = tensors[:3]
+    assert torch.autograd.gradcheck(lambda *t: LinearActFunction.apply(*t, act), (x, w, b), eps=1e-6, atol=1e-7)
+
+
+def test_linear_act_layer_matches_eager():
+    x, w, b = make((2, 7, 24), torch.float32), make((40, 24), torch.float32, 0.2), make((40,), torch.float32)
+    y = linear_act(x, w, b, "geglu")
+    ref = eager_act("geglu", torch.nn.functional.linear(x.double(), w.double(), b.double()))
+    assert y.shape == (2, 7, 20) and rel_err(y, ref) < 1e-5
+
+
+def test_zero_size_batch():
+    tensors = _mlp_tensors(torch.float32, "gelu", shape=(0, 40))
+    x, w_fc, b_fc, w_proj, b_proj = [t.requires_grad_() for t in tensors]
+    y = fused_mlp(x, w_fc, b_fc, w_proj, b_proj, "gelu")
+    assert y.shape == (0, 40)
+    y.sum().backward()
+    assert x.grad.shape == (0, 40)
+    for p in (w_fc, b_fc, w_proj, b_proj):
+        assert p.grad is not None and torch.count_nonzero(p.grad) == 0
+
+
+def test_bad_inputs_name_the_argument():
+    x, w_fc, b_fc, w_proj, b_proj = _mlp_tensors(torch.float32, "gelu")
+    with pytest.raises(ValueError, match="activation"):
+        fused_mlp(x, w_fc, b_fc, w_proj, b_proj, "swish")
+    with pytest.raises(TypeError, match="w_fc"):
+        fused_mlp(x, w_fc.half(), b_fc, w_proj, b_proj, "gelu")
+    with pytest.raises(TypeError, match="x has dtype torch.int64"):
+        fused_mlp(x.long(), w_fc, b_fc, w_proj, b_proj, "gelu")
+    with pytest.raises(ValueError, match="last dim"):
+        fused_mlp(x[:, :-1], w_fc, b_fc, w_proj, b_proj, "gelu")
+    with pytest.raises(ValueError, match="w_fc must have 2\\*H"):
+        fused_mlp(x, w_fc, b_fc, w_proj, b_proj, "swiglu")  # gated needs [gate; up] rows
+    with pytest.raises(ValueError, match="b_proj must have shape"):
+        fused_mlp(x, w_fc, b_fc, w_proj, b_fc, "gelu")
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        fused_mlp(x[0], w_fc, b_fc, w_proj, b_proj, "gelu")
+
+
+def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
+    monkeypatch.setattr(fused_ops.mlp, "INTERPRET", False)
+    x, w_fc, b_fc, w_proj, b_proj = (t.cpu() for t in _mlp_tensors(torch.float32, "gelu"))
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        fused_mlp(x, w_fc, b_fc, w_proj, b_proj, "gelu")

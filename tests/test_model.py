@@ -1,0 +1,104 @@
+"""The GPT model: shapes, initial loss, parameter layout across MLP paths, KV-cache generation, config errors."""
+
+import math
+
+import pytest
+import torch
+
+import fused_ops
+from model import GPT, GPTConfig, MLP, gpu_peak_flops
+
+TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+
+
+def test_shapes_and_initial_loss_near_uniform():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    idx = torch.randint(0, 65, (4, 16))
+    targets = torch.randint(0, 65, (4, 16))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (4, 16, 65)
+    assert abs(loss.item() - math.log(65)) < 0.1  # small init: predictions start near uniform
+    logits, loss = model(idx)
+    assert logits.shape == (4, 1, 65) and loss is None
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_parameters_identical_across_mlp_paths(activation):
+    shapes = {}
+    for mlp in ("eager", "fused", "auto"):
+        model = GPT(GPTConfig(mlp=mlp, activation=activation, **TINY))
+        shapes[mlp] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes["eager"] == shapes["fused"] == shapes["auto"]
+    assert isinstance(GPT(GPTConfig(mlp="fused", **TINY)).transformer.h[0].mlp, fused_ops.FusedMLP)
+
+
+def test_gated_hidden_size_keeps_parameter_count_close():
+    plain = GPT(GPTConfig(n_layer=1, n_head=12, n_embd=768, block_size=64, activation="gelu")).get_num_params()
+    gated = GPT(GPTConfig(n_layer=1, n_head=12, n_embd=768, block_size=64, activation="swiglu")).get_num_params()
+    assert GPTConfig(n_embd=768, activation="swiglu").mlp_hidden == 2048
+    assert abs(gated - plain) / plain < 0.01
+
+
+def test_auto_falls_back_to_eager_where_kernels_cannot_run(monkeypatch):
+    monkeypatch.setattr(fused_ops.mlp, "INTERPRET", False)  # as on a CPU machine without the interpreter
+    torch.manual_seed(0)
+    eager = GPT(GPTConfig(mlp="eager", **TINY))
+    auto = GPT(GPTConfig(mlp="auto", **TINY))
+    auto.load_state_dict(eager.state_dict())
+    idx = torch.randint(0, 65, (2, 16))
+    assert torch.equal(eager(idx, idx)[1], auto(idx, idx)[1])
+
+
+@pytest.mark.parametrize("top_k", [1, 10])
+def test_kv_cache_generates_the_same_tokens(top_k):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY)).eval()
+    prompt = torch.randint(0, 65, (2, 5))
+    outs = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        outs.append(model.generate(prompt, 30, temperature=0.8, top_k=top_k, use_kv_cache=use_cache))
+    assert outs[0].shape == (2, 35)  # runs past block_size (16): the cache is refilled from the cropped context
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_kv_cache_logits_match_full_forward():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY)).eval()
+    from model import KVCache
+
+    idx = torch.randint(0, 65, (2, 12))
+    caches = [KVCache(16) for _ in range(2)]
+    model(idx[:, :7], kv_caches=caches)
+    step, _ = model(idx[:, 7:], kv_caches=caches)  # 5 new tokens at once: offset causal mask
+    full, _ = model(idx)
+    torch.testing.assert_close(step[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key,value", [("mlp", "triton"), ("activation", "swish")])
+def test_bad_config_values_name_the_key(key, value):
+    with pytest.raises(ValueError, match=key):
+        GPTConfig(**{key: value})
+    with pytest.raises(ValueError, match="n_head"):
+        GPTConfig(n_embd=30, n_head=4)
+
+
+def test_configure_optimizers_decays_only_matrices():
+    model = GPT(GPTConfig(**TINY))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])
+    n_params = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == n_params
+
+
+def test_gpu_peak_table():
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu_peak_flops("NVIDIA L4") == 121e12
+    assert gpu_peak_flops("Some Future GPU") is None
+    if not torch.cuda.is_available():
+        assert GPT(GPTConfig(**TINY)).estimate_mfu(1, 0.1) is None
