@@ -5,7 +5,7 @@ Computing grad_h = grad_y @ W2 in a matmul and multiplying in its epilogue means
 to memory and read back. Gated (GLU) activations, h = gate_act(g) * up_act(u), produce both halves:
     grad_g = grad_h * up_act(u) * gate_act'(g),   grad_u = grad_h * gate_act(g) * up_act'(u).
 The first linear's bias gradient (column sums of grad_pre) is reduced in the same epilogue: each
-program writes the column sums of its tile to its own row of a small fp32 buffer (deterministic, no
+tile writes the column sums of its rows to its own row of a small fp32 buffer (deterministic, no
 atomics), and a final sum over those rows replaces a whole extra pass over grad_pre.
 """
 
@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from .activations import activation, activation_grad, kernel_activations
-from .matmul import dot_settings, even_k, launched_block_m, matmul_loop, tile_ids
-from .tuning import AUTOTUNE_KEY, matmul_configs, smallest_block_m
+from .matmul import dot_settings, matmul_loop, needs_int64, tile_ids
+from .tuning import launch_matmul, matmul_configs
 
 
 @triton.jit
@@ -24,20 +24,20 @@ def dgrad_kernel(
     stride_gm, stride_gk, stride_wk, stride_wn, stride_pm, stride_om, stride_dbm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
     BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # grad_h (M, N) = grad_y (M, K) @ W2 (K, N); here K is the model width and N the hidden size.
-    pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     grad_h, _ = matmul_loop(g_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_gm, stride_gk, stride_wk, stride_wn,
-                            0, ACC_DTYPE, PRECISION, EVEN_K, False, BLOCK_M, BLOCK_N, BLOCK_K)
+                            0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64, BLOCK_M, BLOCK_N, BLOCK_K)
 
     # Epilogue: multiply by the activation derivative at the saved pre-activation.
-    m_mask = offs_m < M
     n_mask = offs_n < N
-    mask = m_mask[:, None] & n_mask[None, :]
-    rows = offs_m.to(tl.int64)[:, None]
+    mask = (offs_m < M)[:, None] & n_mask[None, :]
+    rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
     pre_ptrs = pre_ptr + rows * stride_pm + offs_n[None, :]
     out_ptrs = out_ptr + rows * stride_om + offs_n[None, :]
     z = tl.load(pre_ptrs, mask=mask, other=0.0).to(ACC_DTYPE)
@@ -50,23 +50,20 @@ def dgrad_kernel(
         grad = grad_h * activation_grad(z, ACTIVATION)
     tl.store(out_ptrs, grad.to(out_ptr.dtype.element_ty), mask=mask)
 
-    if BIAS_GRAD:  # this tile's column sums; rows past M hold wrapped data and must not count
+    if BIAS_GRAD:  # this tile's column sums; masked rows (past M) must not count
         dbias_ptrs = dbias_ptr + pid_m * stride_dbm + offs_n
-        tl.store(dbias_ptrs, tl.sum(tl.where(mask, grad, 0.0), axis=0).to(dbias_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(dbias_ptrs, tl.sum(tl.where(mask, grad, 0.0), axis=0).to(dbias_ptr.dtype.element_ty),
+                 mask=n_mask)
         if GATED:
             tl.store(dbias_ptrs + N, tl.sum(tl.where(mask, grad_up, 0.0), axis=0).to(dbias_ptr.dtype.element_ty),
                      mask=n_mask)
 
 
-_dgrad = triton.autotune(matmul_configs(gated=False), key=AUTOTUNE_KEY)(
-    triton.heuristics({"EVEN_K": even_k})(dgrad_kernel))
-
-
 def linear_act_dgrad(grad_y, w2, pre, activation, bias_grad=True, out=None):
     """grad_pre = (grad_y @ w2) * act'(pre), and the bias gradient sum(grad_pre, 0) if bias_grad.
 
-    grad_y: (M, C) of any strides; w2: (C, H); pre: (M, H) or (M, 2H) for gated, contiguous rows.
-    Returns (grad_pre shaped like pre, bias gradient (pre.shape[1],) in fp32/fp64 or None).
+    grad_y: (M, C) of any strides; w2: (C, H) of any strides; pre: (M, H) or (M, 2H) for gated, unit
+    column stride. Returns (grad_pre shaped like pre, bias gradient (pre.shape[1],) in fp32/fp64 or None).
     """
     act, up_act, gated = kernel_activations(activation)
     M, K = grad_y.shape
@@ -76,17 +73,17 @@ def linear_act_dgrad(grad_y, w2, pre, activation, bias_grad=True, out=None):
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
     if M == 0:
         return out, (torch.zeros(pre.shape[1], device=pre.device, dtype=sum_dtype) if bias_grad else None)
-    # One row of column sums per row-tile; sized for the smallest BLOCK_M any config may use, and
-    # read back only as far as the config that actually ran wrote.
-    partial = torch.empty((triton.cdiv(M, smallest_block_m()), pre.shape[1]), device=pre.device, dtype=sum_dtype) \
+    # One row of column sums per row-tile, sized for the smallest BLOCK_M any config may use and read
+    # back only as far as the config that ran wrote.
+    smallest_block_m = min(c.kwargs["BLOCK_M"] for c in matmul_configs())
+    partial = torch.empty((triton.cdiv(M, smallest_block_m), pre.shape[1]), device=pre.device, dtype=sum_dtype) \
         if bias_grad else out
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-    _dgrad[grid](
-        grad_y, w2, pre, out, partial, M, N, K,
-        grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1), pre.stride(0), out.stride(0), partial.stride(0),
-        ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, BIAS_GRAD=bias_grad,
-        ACC_DTYPE=acc_dtype, PRECISION=precision,
-    )
+    args = (grad_y, w2, pre, out, partial, M, N, K, grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1),
+            pre.stride(0), out.stride(0), partial.stride(0))
+    consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, BIAS_GRAD=bias_grad,
+                  ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(grad_y, w2, pre, out))
+    key = ("dgrad", N, K, grad_y.dtype, *consts.values())
+    cfg = launch_matmul(dgrad_kernel, M, N, K, args, consts, False, grad_y.device, key)
     if not bias_grad:
         return out, None
-    return out, partial[: triton.cdiv(M, launched_block_m(_dgrad))].sum(0)
+    return out, partial[: triton.cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0)

@@ -1,20 +1,29 @@
-"""Block sizes and autotuning: the one place they live.
+"""Block sizes, autotuning and the launch of the matmul kernels: the one place they live.
 
 The configs target Hopper (H100/H200): 128-wide tiles feed its warpgroup MMA, 3-4 pipeline stages hide
-load latency. The autotune key holds N and K (the weight's shape) and the dtype, never M, so a new batch
-size reuses the tuned choice instead of tuning again.
+load latency.
+
+Tuning is our own few lines rather than triton.autotune: the key holds the weight's shape (N, K), dtype
+and kernel flags, never M, so a new batch size reuses the tuned choice; after the first call a launch is
+a dict lookup and one kernel call (triton.autotune's per-call bookkeeping cost ~100 us of CPU per launch,
+as much as the kernel itself). TUNING_LOG records what was tuned, the choice and how long it took.
+
 Under TRITON_INTERPRET=1 (CPU tests) one small config keeps the interpreter fast and exercises masking.
-FUSED_OPS_AUTOTUNE=0 skips tuning and uses the first config (the test suite sets it: it compiles
-hundreds of kernel variants, and tuning each would take far longer than checking it).
+FUSED_OPS_AUTOTUNE=0 skips tuning and uses the first config (the test suite sets
+it: it compiles hundreds of kernel variants, and tuning each would take far longer than checking it).
 """
 
 import os
+import time
 
+import torch
 import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("FUSED_OPS_AUTOTUNE", "1") == "1"
-AUTOTUNE_KEY = ["N", "K", "GATED", "ACTIVATION", "UP_ACTIVATION"]
+TRANSPOSE_WEIGHT_MIN_M = 2048  # rows of x from which the forward kernel reads an N-major copy of W
+TUNING_LOG = []  # (kernel name, key, chosen config, seconds spent tuning)
+_best = {}
 
 
 def _config(block_m, block_n, block_k, warps, stages, group_m=8):
@@ -29,23 +38,51 @@ def matmul_configs(gated=False):
     if gated:
         configs = [
             _config(128, 128, 64, 8, 3),
+            _config(128, 128, 64, 8, 2),
             _config(128, 64, 64, 4, 4),
             _config(64, 128, 64, 4, 4),
-            _config(128, 128, 64, 4, 3),
             _config(64, 64, 64, 4, 4),
         ]
     else:
         configs = [
             _config(128, 256, 64, 8, 3),
+            _config(128, 128, 64, 8, 3),  # 96 KB of shared memory: two programs per SM overlap epilogues
             _config(128, 128, 64, 8, 4),
             _config(128, 128, 64, 4, 4),
-            _config(64, 256, 64, 4, 4),
             _config(128, 64, 64, 4, 4),
             _config(64, 128, 64, 4, 4),
-            _config(256, 128, 64, 8, 3),
+            _config(64, 64, 64, 4, 4),
         ]
     return configs if AUTOTUNE else configs[:1]
 
 
-def smallest_block_m(gated=False):
-    return min(c.kwargs["BLOCK_M"] for c in matmul_configs(gated))
+def launch_matmul(kernel, M, N, K, args, consts, gated, device, key):
+    """Launch a persistent matmul kernel with the tuned config for `key`, tuning on first use.
+
+    Returns the config used (callers that size buffers per row-tile need its BLOCK_M).
+    """
+    def run(cfg):
+        meta = cfg.kwargs
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+        kernel[(tiles,)](*args, **consts, **meta, EVEN_K=K % meta["BLOCK_K"] == 0,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    cfg = _best.get(key)
+    if cfg is None:
+        configs = matmul_configs(gated)
+        t0 = time.perf_counter()
+        if len(configs) == 1:
+            cfg = configs[0]
+        else:
+            times = []
+            for c in configs:
+                try:
+                    times.append(triton.testing.do_bench(lambda: run(c), warmup=5, rep=25, return_mode="median"))
+                except Exception:  # e.g. a tile that needs more shared memory than this GPU has
+                    times.append(float("inf"))
+            cfg = configs[min(range(len(configs)), key=times.__getitem__)]
+        _best[key] = cfg
+        TUNING_LOG.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), key, cfg,
+                           time.perf_counter() - t0))
+    run(cfg)
+    return cfg

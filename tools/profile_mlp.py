@@ -1,0 +1,116 @@
+"""Diagnostics for the fused MLP on a GPU: every tile config of each kernel timed on its own, launch
+overhead (do_bench vs CUDA-graph replay), and a torch.profiler breakdown of one fused fwd+bwd.
+
+    python tools/profile_mlp.py [--C 768 --M 12288]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+from fused_ops import FusedMLP, linear_act_dgrad, linear_act_forward
+from fused_ops.activations import kernel_activations
+from fused_ops.dgrad import dgrad_kernel
+from fused_ops.linear_act import linear_act_kernel
+from fused_ops.tuning import TUNING_LOG, matmul_configs, num_programs
+from model import MLP, GPTConfig
+
+
+def time_config(kernel, grid_args, args, consts, cfg):
+    meta = dict(cfg.kwargs)
+    programs = num_programs(0)
+    grid = (min(programs, triton.cdiv(grid_args[0], meta["BLOCK_M"]) * triton.cdiv(grid_args[1], meta["BLOCK_N"])),)
+    run = lambda: kernel[grid](*args, programs, **consts, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    try:
+        run()
+        return do_bench_cudagraph(run)
+    except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
+        return f"error {type(e).__name__}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--C", type=int, default=768)
+    ap.add_argument("--M", type=int, default=12288)
+    a = ap.parse_args()
+    dt = torch.bfloat16
+    for act in ("gelu", "swiglu"):
+        cfg = GPTConfig(n_embd=a.C, n_head=1, activation=act)
+        H, gated = cfg.mlp_hidden, cfg.gated
+        rows = 2 * H if gated else H
+        M, C = a.M, a.C
+        x = torch.randn(M, C, device="cuda", dtype=dt)
+        w1 = torch.randn(rows, C, device="cuda", dtype=dt) * C ** -0.5
+        b1 = torch.randn(rows, device="cuda", dtype=dt)
+        w2 = torch.randn(C, H, device="cuda", dtype=dt) * H ** -0.5
+        dy = torch.randn(M, C, device="cuda", dtype=dt)
+        out, pre, gp = (torch.empty(M, H, device="cuda", dtype=dt), torch.empty(M, rows, device="cuda", dtype=dt),
+                        torch.empty(M, rows, device="cuda", dtype=dt))
+        k_act, k_up, _ = kernel_activations(act)
+        mm_fc = do_bench_cudagraph(lambda: x @ w1.t())
+        mm_dg = do_bench_cudagraph(lambda: dy @ w2)
+        print(f"\n== {act} M={M} C={C} H={H}: cuBLAS fc {mm_fc * 1e3:.1f} us, dgrad-shaped {mm_dg * 1e3:.1f} us (graph replay)")
+        common = dict(ACTIVATION=k_act, UP_ACTIVATION=k_up, GATED=gated, ACC_DTYPE=triton.language.float32,
+                      PRECISION="ieee", EVEN_K=True, INT64=False)
+        fmt = lambda t, ref: f"{t * 1e3:7.1f} us ({t / ref:4.2f}x cuBLAS)" if isinstance(t, float) else t
+        for c in matmul_configs(gated):
+            f = time_config(linear_act_kernel, (M, H), (x, w1, b1, out, pre, M, H, C, C, 1, C, 1, H, rows),
+                            dict(common, HAS_BIAS=True, SAVE_PRE=True), c)
+            bare = time_config(linear_act_kernel, (M, H), (x, w1, b1, out, pre, M, H, C, C, 1, C, 1, H, rows),
+                               dict(common, HAS_BIAS=False, SAVE_PRE=False, ACTIVATION="identity"), c)
+            print(f"  fwd   {c.kwargs} w{c.num_warps} s{c.num_stages}: {fmt(f, mm_fc)}   bare matmul {fmt(bare, mm_fc)}")
+        for c in matmul_configs(False):
+            partial = torch.empty(triton.cdiv(M, c.kwargs["BLOCK_M"]), rows, device="cuda")
+            d = time_config(dgrad_kernel, (M, H), (dy, w2, pre, gp, partial, M, H, C, C, 1, H, 1, rows, rows, rows),
+                            dict(common, BIAS_GRAD=True), c)
+            print(f"  dgrad {c.kwargs} w{c.num_warps} s{c.num_stages}: {fmt(d, mm_dg)}")
+
+        # Launch overhead of the autotuned launcher (tuned on the first call).
+        linear_act_forward(x, w1, b1, act, out=out, pre=pre)
+        t_bench = do_bench(lambda: linear_act_forward(x, w1, b1, act, out=out, pre=pre), return_mode="median")
+        t_graph = do_bench_cudagraph(lambda: linear_act_forward(x, w1, b1, act, out=out, pre=pre))
+        xs = x[:64]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            linear_act_forward(xs, w1, b1, act)
+        cpu_us = (time.perf_counter() - t0) / 200 * 1e6
+        torch.cuda.synchronize()
+        print(f"  launcher fwd: do_bench {t_bench * 1e3:.1f} us, graph {t_graph * 1e3:.1f} us; CPU per call {cpu_us:.1f} us")
+
+        # The whole fused MLP fwd+bwd under the profiler.
+        mlp = FusedMLP(cfg).cuda().to(dt)
+        xg = x.clone().requires_grad_()
+        for _ in range(3):
+            mlp(xg).backward(dy)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                mlp(xg).backward(dy)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        eager = MLP(cfg).cuda().to(dt)
+        fb = lambda m: (lambda: m(xg).backward(dy))
+        print(f"  fwd+bwd: fused do_bench {do_bench(fb(mlp), return_mode='median'):.3f} ms, graph "
+              f"{do_bench_cudagraph(fb(mlp)):.3f} ms; eager do_bench {do_bench(fb(eager), return_mode='median'):.3f} ms, "
+              f"graph {do_bench_cudagraph(fb(eager)):.3f} ms")
+
+    for name, key, cfg, seconds in TUNING_LOG:
+        print(f"tuned {name} {key[:3]}: {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages} in {seconds:.1f} s")
+    try:
+        x64 = torch.randn(5, 6, device="cuda", dtype=torch.float64)
+        linear_act_forward(x64, torch.randn(7, 6, device="cuda", dtype=torch.float64), None, "gelu")
+        print("float64 on GPU: ok")
+    except Exception as e:
+        import traceback; print("float64 on GPU fails:", "".join(traceback.format_exception(e))[-3000:])
+
+
+if __name__ == "__main__":
+    main()
