@@ -16,7 +16,7 @@ from .dgrad import linear_act_dgrad
 from .linear_act import linear_act_forward
 from .tuning import INTERPRET
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: interpreter only
 
 
 def kernels_can_run(x):
@@ -36,6 +36,9 @@ def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation):
             continue
         if t.dtype not in KERNEL_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; the fused MLP takes {KERNEL_DTYPES}")
+        if t.dtype == torch.float64 and t.is_cuda:  # Triton 3.6 does not compile our fp64 dot for CUDA
+            raise TypeError(f"{name} is float64 on CUDA: float64 runs only under the CPU interpreter "
+                            "(TRITON_INTERPRET=1, used for gradcheck); use float32, float16 or bfloat16")
         if t.dtype != x.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}: all tensors must share one dtype")
         if t.device != x.device:

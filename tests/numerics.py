@@ -14,10 +14,14 @@ def rel_err(x, ref):
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
-def assert_no_worse_than_eager(fused, eager, ref, what=""):
-    """The fused result's error is at most about twice the same-dtype eager error (plus a tiny epsilon)."""
+def assert_no_worse_than_eager(fused, eager, ref, what="", compute_dtype=None):
+    """The fused result's error is at most about twice the same-dtype eager error (plus a tiny epsilon).
+
+    compute_dtype: the precision the work was done in when it differs from the result's dtype (e.g. an
+    fp32 loss computed from bf16 matmuls under autocast); it sets the epsilon.
+    """
     e_fused, e_eager = rel_err(fused, ref), rel_err(eager, ref)
-    bound = 2 * e_eager + EPS[fused.dtype]
+    bound = 2 * e_eager + EPS[compute_dtype or fused.dtype]
     assert e_fused <= bound, f"{what}: fused error {e_fused:.3e} > 2 x eager error {e_eager:.3e} + eps"
 
 

@@ -70,9 +70,10 @@ def test_gpt_under_bf16_autocast(activation):
         loss.backward()
         results[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     assert torch.isfinite(results["fused"][0])
-    assert_no_worse_than_eager(results["fused"][0].float(), results["eager"][0].float(), results["ref"][0], "loss")
+    assert_no_worse_than_eager(results["fused"][0].float(), results["eager"][0].float(), results["ref"][0], "loss",
+                               compute_dtype=torch.bfloat16)
     for n, g in results["fused"][1].items():
-        assert_no_worse_than_eager(g, results["eager"][1][n], results["ref"][1][n], f"grad {n}")
+        assert_no_worse_than_eager(g, results["eager"][1][n], results["ref"][1][n], f"grad {n}", compute_dtype=torch.bfloat16)
 
 
 def test_fused_mlp_rejects_mixed_devices():
@@ -80,3 +81,10 @@ def test_fused_mlp_rejects_mixed_devices():
     w_fc, w_proj = torch.randn(32, 8, device="cuda"), torch.randn(8, 32)
     with pytest.raises(ValueError, match="w_proj is on cpu"):
         fused_mlp(x, w_fc, None, w_proj, None, "gelu")
+
+
+def test_float64_on_cuda_is_rejected_clearly():
+    x = torch.randn(4, 8, device="cuda", dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64 runs only under the CPU interpreter"):
+        fused_mlp(x, torch.randn(32, 8, device="cuda", dtype=torch.float64), None,
+                  torch.randn(8, 32, device="cuda", dtype=torch.float64), None, "gelu")

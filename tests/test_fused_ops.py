@@ -120,6 +120,7 @@ def test_non_contiguous_inputs():
     assert y.shape == (2, 9, 40) and rel_err(y, ref) < 1e-5
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="float64 kernels run only under the CPU interpreter (CI runs this)")
 @pytest.mark.parametrize("act", ["gelu_tanh", "swiglu", "sigmoid_tanh"])
 def test_gradcheck_float64(act):
     tensors = [t.requires_grad_() for t in _mlp_tensors(torch.float64, act, M=5, C=6, H=7)]

@@ -1,0 +1,101 @@
+"""
+Sample from a model trained with train.py:
+
+    python sample.py --out_dir=out-shakespeare-char-cpu --start="ROMEO:" --num_samples=2
+    python sample.py --out_dir=out --start=FILE:prompt.txt --top_k=1          # greedy
+
+The tokenizer comes from the dataset metadata stored in the checkpoint, so the data folder is not needed.
+A checkpoint trained with any mlp setting loads into any other (--mlp); the parameters are the same.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+
+import data
+from model import GPT, GPTConfig
+
+
+def load_checkpoint(out_dir, device="cpu", mlp=None):
+    """The model (in eval mode, on device) and the checkpoint dict from out_dir/ckpt.pt."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}; train one first, e.g. python train.py configs/shakespeare_char_cpu.py")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model_args = {**ckpt["model_args"], "dropout": 0.0}
+    if mlp is not None:
+        model_args["mlp"] = mlp
+    model = GPT(GPTConfig(**model_args))
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+    return model.eval().to(device), ckpt
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="out", help="folder holding ckpt.pt")
+    p.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
+    p.add_argument("--num_samples", type=int, default=3)
+    p.add_argument("--max_new_tokens", type=int, default=500)
+    p.add_argument("--temperature", type=float, default=0.8, help="< 1 is more conservative, > 1 more random")
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens; 0 for all, 1 is greedy")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--mlp", default=None, choices=["eager", "fused", "auto"], help="override the checkpoint's MLP kind")
+    p.add_argument("--no_kv_cache", action="store_true", help="recompute the whole context every step (slower)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    """Print and return num_samples continuations of the prompt."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    device_type = device.split(":")[0]
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    autocast = (contextlib.nullcontext() if dtype == "float32"
+                else torch.autocast(device_type, dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]))
+
+    model, ckpt = load_checkpoint(args.out_dir, device, args.mlp)
+    encode, decode = data.get_tokenizer(ckpt["meta"])
+    start = args.start
+    if start.startswith("FILE:"):
+        with open(start[5:], encoding="utf-8") as f:
+            start = f.read()
+    ids = encode(start)  # ValueError for a character a character-level vocabulary lacks
+    if not ids:
+        raise ValueError("the prompt is empty after encoding; give --start some text")
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+
+    torch.manual_seed(args.seed)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(args.seed)
+    samples = []
+    with torch.no_grad(), autocast:
+        for _ in range(args.num_samples):
+            y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                               use_kv_cache=not args.no_kv_cache)
+            # A padded vocabulary (50304 for GPT-2's 50257) has rows with no text; an undertrained model may pick them.
+            samples.append(decode([i for i in y[0].tolist() if i < ckpt["meta"]["vocab_size"]]))
+            print(samples[-1])
+            print("---------------")
+    return samples
+
+
+def cli():
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:
+        print(f"sample.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

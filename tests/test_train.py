@@ -1,0 +1,196 @@
+"""train.py end to end on a tiny model and a tiny character dataset (CPU, a few seconds each)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tiny model; mlp="eager" because under TRITON_INTERPRET=1 (set by conftest) "auto" would run the kernels
+# through Triton's slow interpreter on CPU.
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8", "--gradient_accumulation_steps=2",
+        "--eval_iters=4", "--warmup_iters=5", "--learning_rate=3e-3", "--min_lr=3e-4", "--progress=False", "--plot=False",
+        "--device=cpu", "--dtype=float32", "--mlp=eager"]
+
+
+def write_corpus(path, n_lines=1500):
+    """A small, learnable text: a few names and phrases recombined (deterministically)."""
+    names = ["ROMEO", "JULIET", "NURSE", "FRIAR"]
+    phrases = ["what light through yonder window breaks", "good night, good night", "parting is such sweet sorrow",
+               "a rose by any other name", "thou art more lovely and more temperate", "wherefore art thou"]
+    lines = [f"{names[i % 4]}:\n{phrases[(i * 7) % 6]}, {phrases[(i * 5 + 1) % 6]}.\n" for i in range(n_lines)]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    write_corpus(root / "corpus.txt")
+    data.prepare(str(root / "tiny"), source=str(root / "corpus.txt"), tokenizer="char")
+    return str(root / "tiny")
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def step_losses(records):
+    return {r["iter"]: r["loss"] for r in records if r["type"] == "step"}
+
+
+def evals(records):
+    return [(r["iter"], r["train_loss"], r["val_loss"]) for r in records if r["type"] == "eval"]
+
+
+def run(dataset, out_dir, *args):
+    return train.main(TINY + [f"--dataset={dataset}", f"--out_dir={out_dir}", *args])
+
+
+def test_short_run_learns_and_writes_everything(dataset, tmp_path):
+    out = str(tmp_path / "out")
+    summary = run(dataset, out, "--max_iters=60", "--eval_interval=30", "--lr_decay_iters=60", "--plot=True")
+    records = read_log(out)
+    (i0, _, val0), _, (i1, _, val1) = evals(records)
+    assert (i0, i1) == (0, 60) and summary["iter_num"] == 60
+    assert val1 < val0 - 0.8, (val0, val1)  # from ~ln(vocab) to well below it
+    steps = [r for r in records if r["type"] == "step"]
+    assert len(steps) == 60 and all({"loss", "lr", "ms", "tokens_per_s", "mfu"} <= r.keys() for r in steps)
+    assert steps[0]["mfu"] is None  # CPU: no peak FLOP/s known, so no MFU
+    assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
+
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)  # loadable without pickle
+    assert ckpt["iter_num"] == 60 and ckpt["best_val_loss"] == pytest.approx(val1)
+    assert ckpt["meta"] == data.load_meta(dataset)  # sample.py decodes without the data folder
+    assert ckpt["model_args"]["n_layer"] == 2 and ckpt["config"]["max_iters"] == 60
+    assert set(ckpt["rng"][0]) == {"torch", "cuda", "numpy", "python", "batches"}
+    assert not [f for f in os.listdir(out) if ".tmp" in f]
+
+
+def test_resume_continues_exactly(dataset, tmp_path):
+    """12 iterations in one go == 7, then resumed to 12: same losses, bit for bit (dropout included)."""
+    common = ["--dropout=0.1", "--eval_interval=4", "--lr_decay_iters=12", "--log_interval=1"]
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    run(dataset, full, *common, "--max_iters=12")
+    run(dataset, split, *common, "--max_iters=7")  # stops off the eval grid: the final eval saves at 7
+    assert torch.load(os.path.join(split, "ckpt.pt"), weights_only=True)["iter_num"] == 7
+    # The resumed run takes its config from the checkpoint; only max_iters changes.
+    train.main(["--init_from=resume", f"--out_dir={split}", "--max_iters=12"])
+
+    a, b = read_log(full), read_log(split)
+    assert step_losses(a) == step_losses(b)  # exact float equality
+    assert sorted(step_losses(b)) == list(range(12))  # each iteration logged once
+    grid = lambda recs: [e for e in evals(recs) if e[0] % 4 == 0]
+    assert grid(a) == grid(b)
+    assert len({e[0] for e in evals(b)}) == len(evals(b))  # the eval at 7 is not redone on resume
+    resumed = [r for r in b if r["type"] == "run"]
+    assert [r["resumed"] for r in resumed] == [False, True] and resumed[1]["iter"] == 7
+    sd_a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)["model"]
+    sd_b = torch.load(os.path.join(split, "ckpt.pt"), weights_only=True)["model"]
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+
+
+def test_interrupted_checkpoint_write_keeps_previous(dataset, tmp_path, monkeypatch):
+    out = str(tmp_path / "out")
+    run(dataset, out, "--max_iters=2", "--eval_interval=2")
+    path = os.path.join(out, "ckpt.pt")
+    before = torch.load(path, weights_only=True)
+
+    def torn_save(obj, f, *args, **kwargs):  # half a file, then the disk fills up
+        f.write(b"PK\x03\x04 partial checkpoint bytes")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(train.torch, "save", torn_save)
+    with pytest.raises(OSError, match="No space"):
+        train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=4"])
+    monkeypatch.undo()
+    after = torch.load(path, weights_only=True)
+    assert after["iter_num"] == 2
+    assert all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
+    assert not [f for f in os.listdir(out) if ".tmp" in f]  # the torn temp file was removed
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(dataset, tmp_path):
+    out = str(tmp_path / "out")
+    run(dataset, out, "--max_iters=4", "--eval_interval=4")
+    path = os.path.join(out, "ckpt.pt")
+    good = torch.load(path, weights_only=True)
+    # Resume with an absurd learning rate (no clipping): the weights explode within a step or two.
+    proc = subprocess.run([sys.executable, "train.py", "--init_from=resume", f"--out_dir={out}", "--max_iters=20",
+                           "--learning_rate=1e6", "--grad_clip=0.0", "--warmup_iters=0", "--decay_lr=False"],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode == 1, proc.stderr
+    msg = proc.stderr.strip().splitlines()[-1]
+    assert "nan" in msg.lower() and "at iter " in msg and "learning_rate" in msg and "iter 4) is kept" in msg, msg
+    kept = torch.load(path, weights_only=True)
+    assert kept["iter_num"] == 4
+    assert all(torch.equal(good["model"][k], kept["model"][k]) for k in good["model"])
+    # The run can go on from there with a sane learning rate; the log forgets the diverged steps.
+    train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=6"])
+    assert sorted(step_losses(read_log(out))) == list(range(6))
+
+
+def test_in_process_nan_raises(dataset, tmp_path):
+    with pytest.raises(train.TrainingDiverged, match=r"became nan at iter \d+ .*is kept"):
+        run(dataset, str(tmp_path / "out"), "--max_iters=30", "--learning_rate=1e6", "--grad_clip=0.0", "--warmup_iters=0")
+
+
+def test_ddp_gloo_two_processes_learns_and_resumes_exactly(dataset, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+
+    def torchrun(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    common = [*TINY, f"--dataset={dataset}", "--eval_interval=10", "--lr_decay_iters=20", "--dropout=0.1",
+              "--gradient_accumulation_steps=4", "--learning_rate=1e-2"]
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    torchrun(*common, f"--out_dir={full}", "--max_iters=20")
+    records = read_log(full)
+    assert records[0]["world_size"] == 2
+    (_, _, val0), _, (_, _, val1) = evals(records)
+    assert val1 < val0 - 0.5, (val0, val1)
+    assert sorted(step_losses(records)) == list(range(20))  # only rank 0 logs
+    ckpt = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)
+    assert len(ckpt["rng"]) == 2  # each process's RNG states...
+    assert not torch.equal(ckpt["rng"][0]["batches"], ckpt["rng"][1]["batches"])  # ...which differ
+
+    # ...so that a resumed 2-process run replays both processes' batches and dropout masks.
+    torchrun(*common, f"--out_dir={split}", "--max_iters=10")
+    torchrun("--init_from=resume", f"--out_dir={split}", "--max_iters=20")
+    assert step_losses(read_log(split)) == step_losses(records)
+
+
+def test_ddp_requires_divisible_accumulation(dataset, tmp_path, monkeypatch):
+    # The check runs before the process group is created, so pretending to be rank 0 of 2 is enough.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(train.ConfigError, match=r"gradient_accumulation_steps=3 must be divisible .* \(2\)"):
+        run(dataset, str(tmp_path / "out"), "--gradient_accumulation_steps=3")
+
+
+def test_lr_schedule():
+    cfg = dict(train.DEFAULTS, learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, decay_lr=True)
+    lrs = [train.get_lr(it, cfg) for it in range(130)]
+    assert lrs[0] == pytest.approx(1 / 11) and lrs[9] == pytest.approx(10 / 11)
+    assert lrs[10] == pytest.approx(1.0) and lrs[60] == pytest.approx(0.55) and lrs[110] == lrs[129] == 0.1
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # monotone after warmup
+    assert train.get_lr(5, dict(cfg, decay_lr=False)) == 1.0
+
+
+def test_float16_saves_grad_scaler_state(dataset, tmp_path):
+    out = str(tmp_path / "out")
+    run(dataset, out, "--max_iters=3", "--eval_interval=3", "--dtype=float16")
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert ckpt["scaler"]["scale"] > 0 and ckpt["config"]["dtype"] == "float16"
+    train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=5"])  # and resumes from it
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 5
