@@ -17,6 +17,7 @@ import triton
 from triton.testing import do_bench
 
 from fused_ops import linear_act_dgrad, linear_act_forward
+from fused_ops.tuning import TUNING_LOG
 from model import MLP, GPTConfig
 from tests.numerics import rel_err
 
@@ -126,13 +127,16 @@ if __name__ == "__main__":
             print(f"done C={C} {act}", flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d"), "matmul_tflops": PEAK_TFLOPS, "copy_gbps": BANDWIDTH,
-           "first_call_seconds": compile_times}
+           "first_call_seconds": compile_times,
+           "tuned": [[name, str(key[:3]), cfg.kwargs, cfg.num_warps, cfg.num_stages, sec] for name, key, cfg, sec in TUNING_LOG]}
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
 
     print(f"\n{env['gpu']}  torch {env['torch']}  triton {env['triton']}  {env['date']}")
     for k, v in compile_times.items():
         print(f"  {k}: {v:.1f} s")
+    for name, key, cfg, sec in TUNING_LOG:
+        print(f"  tuned {name} N={key[1]} K={key[2]}: {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages} ({sec:.1f} s)")
     hdr = f"{'case':<16}{'ok':>4}{'eager':>8}{'compile':>8}{'fused':>8}{'floor':>8}{'xEager':>7}{'xComp':>7}" \
           f"{'fwd/mm':>8}{'fwdNS/mm':>9}{'dgrad/mm':>9}"
     print("fwd+bwd ms (ratios: speedup of fused; kernel time / same-shape cuBLAS matmul)\n" + hdr)

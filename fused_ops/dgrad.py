@@ -31,18 +31,22 @@ def dgrad_kernel(
     pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    grad_h, _ = matmul_loop(g_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_gm, stride_gk, stride_wk, stride_wn,
-                            0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64, BLOCK_M, BLOCK_N, BLOCK_K)
-
-    # Epilogue: multiply by the activation derivative at the saved pre-activation.
     n_mask = offs_n < N
     mask = (offs_m < M)[:, None] & n_mask[None, :]
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
     pre_ptrs = pre_ptr + rows * stride_pm + offs_n[None, :]
     out_ptrs = out_ptr + rows * stride_om + offs_n[None, :]
-    z = tl.load(pre_ptrs, mask=mask, other=0.0).to(ACC_DTYPE)
+    # Issue the loads of the saved pre-activation before the main loop, so their latency hides behind it.
+    z = tl.load(pre_ptrs, mask=mask, other=0.0)
     if GATED:
-        z_up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(ACC_DTYPE)
+        z_up = tl.load(pre_ptrs + N, mask=mask, other=0.0)
+    grad_h, _ = matmul_loop(g_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_gm, stride_gk, stride_wk, stride_wn,
+                            0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    # Epilogue: multiply by the activation derivative at the saved pre-activation.
+    z = z.to(ACC_DTYPE)
+    if GATED:
+        z_up = z_up.to(ACC_DTYPE)
         grad = grad_h * activation(z_up, UP_ACTIVATION) * activation_grad(z, ACTIVATION)
         grad_up = grad_h * activation(z, ACTIVATION) * activation_grad(z_up, UP_ACTIVATION)
         tl.store(out_ptrs + N, grad_up.to(out_ptr.dtype.element_ty), mask=mask)

@@ -19,15 +19,14 @@ from fused_ops import FusedMLP, linear_act_dgrad, linear_act_forward
 from fused_ops.activations import kernel_activations
 from fused_ops.dgrad import dgrad_kernel
 from fused_ops.linear_act import linear_act_kernel
-from fused_ops.tuning import TUNING_LOG, matmul_configs, num_programs
+from fused_ops.tuning import TUNING_LOG, matmul_configs
 from model import MLP, GPTConfig
 
 
 def time_config(kernel, grid_args, args, consts, cfg):
     meta = dict(cfg.kwargs)
-    programs = num_programs(0)
-    grid = (min(programs, triton.cdiv(grid_args[0], meta["BLOCK_M"]) * triton.cdiv(grid_args[1], meta["BLOCK_N"])),)
-    run = lambda: kernel[grid](*args, programs, **consts, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (triton.cdiv(grid_args[0], meta["BLOCK_M"]) * triton.cdiv(grid_args[1], meta["BLOCK_N"]),)
+    run = lambda: kernel[grid](*args, **consts, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     try:
         run()
         return do_bench_cudagraph(run)
