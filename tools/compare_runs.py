@@ -1,0 +1,25 @@
+"""Print the eval losses of two or more training runs side by side (from their out_dir/log.jsonl).
+
+    python tools/compare_runs.py out-a out-b
+"""
+
+import json
+import os
+import sys
+
+
+def evals(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["iter"]: r["val_loss"] for r in rows if r.get("type") == "eval"}
+
+
+if __name__ == "__main__":
+    runs = {d: evals(d) for d in sys.argv[1:]}
+    iters = sorted(set().union(*runs.values()))
+    print("iter " + " ".join(f"{os.path.basename(d.rstrip('/')):>12}" for d in runs) + "  max diff")
+    for it in iters:
+        vals = [runs[d].get(it) for d in runs]
+        known = [v for v in vals if v is not None]
+        diff = max(known) - min(known) if len(known) > 1 else float("nan")
+        print(f"{it:4d} " + " ".join(f"{v:12.4f}" if v is not None else f"{'-':>12}" for v in vals) + f"  {diff:8.4f}")
