@@ -1,6 +1,6 @@
 """The fused MLP: autograd Functions over the kernels, and FusedMLP, a drop-in for model.MLP.
 
-Forward:   h, pre = linear_act_forward(x, W1, b1)       (Triton: matmul + bias + activation, saves pre)
+Forward:   h, pre = linear_act(x, W1, b1)               (Triton: matmul + bias + activation, saves pre)
            y = h @ W2.T + b2                           (cuBLAS, bias in its epilogue)
 Backward:  dW2 = grad_y.T @ h, db2 = grad_y.sum(0)     (cuBLAS)
            grad_pre, db1 = linear_act_dgrad(grad_y, W2, pre)   (Triton: matmul * act'(pre), bias sums fused)
@@ -12,8 +12,7 @@ import torch
 from model import MLP, PLAIN_ACTIVATIONS, GATED_ACTIVATIONS
 
 from .activations import kernel_activations
-from .dgrad import linear_act_dgrad
-from .linear_act import linear_act_forward
+from .ops import dgrad_op, linear_act_op
 from .tuning import INTERPRET
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: interpreter only
@@ -67,7 +66,7 @@ class LinearActFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, activation):
         x2 = x.reshape(-1, x.shape[-1])
         needs_grad = any(ctx.needs_input_grad[:3])
-        out, pre = linear_act_forward(x2, weight, bias, activation, save_pre=needs_grad)
+        out, pre = linear_act_op(x2, weight, bias, activation, needs_grad)
         ctx.activation = activation
         if needs_grad:
             ctx.save_for_backward(x2, weight, pre)
@@ -95,7 +94,7 @@ class FusedMLPFunction(torch.autograd.Function):
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation):
         x2 = x.reshape(-1, x.shape[-1])
         needs_grad = any(ctx.needs_input_grad[:5])
-        h, pre = linear_act_forward(x2, w_fc, b_fc, activation, save_pre=needs_grad)
+        h, pre = linear_act_op(x2, w_fc, b_fc, activation, needs_grad)
         y = h @ w_proj.t() if b_proj is None else torch.addmm(b_proj, h, w_proj.t())
         ctx.activation, ctx.has_bias = activation, (b_fc is not None, b_proj is not None)
         if needs_grad:
@@ -109,11 +108,11 @@ class FusedMLPFunction(torch.autograd.Function):
         g = grad_y.reshape(-1, grad_y.shape[-1])
         grad_w_proj = g.t() @ h if need_w_proj else None
         grad_b_proj = g.sum(0) if need_b_proj else None
-        grad_pre, grad_b_fc = linear_act_dgrad(g, w_proj, pre, ctx.activation, bias_grad=ctx.has_bias[0] and need_b_fc)
+        bias_grad = ctx.has_bias[0] and need_b_fc
+        grad_pre, grad_b_fc = dgrad_op(g, w_proj, pre, ctx.activation, bias_grad)
         grad_w_fc = grad_pre.t() @ x2 if need_w_fc else None
         grad_x = (grad_pre @ w_fc).view(*grad_y.shape[:-1], x2.shape[1]) if need_x else None
-        if grad_b_fc is not None:
-            grad_b_fc = grad_b_fc.to(grad_pre.dtype)
+        grad_b_fc = grad_b_fc.to(grad_pre.dtype) if bias_grad else None
         return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj, None
 
 

@@ -1,0 +1,153 @@
+"""
+End-to-end training throughput: mlp="eager" vs mlp="fused", each with and without torch.compile.
+
+    python bench.py configs/gpt2_124m.py                       # GPU: full training steps, bf16
+    python bench.py configs/gpt2_124m.py --activation=swiglu --steps=30
+    python bench.py configs/shakespeare_char_cpu.py --device=cpu --compile=False --steps=3   # CPU smoke run
+
+Each variant starts from the same weights and sees the same batches (random token ids), so the losses of
+the first steps must agree across variants; they are printed next to the timings. A step is forward,
+backward and the AdamW update over gradient_accumulation_steps micro-batches. Reported: median ms/step
+after warm-up, tokens/s, MFU against the GPU's peak bf16 rate, peak GPU memory. Writes JSON, CSV and a
+PNG bar chart to --out (default results/bench_<config>.*).
+"""
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import runpy
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from model import GPT, GPTConfig
+
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", help="a config file from configs/ (model size, batch size)")
+    ap.add_argument("--batch_size", type=int)
+    ap.add_argument("--block_size", type=int)
+    ap.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
+    ap.add_argument("--activation")
+    ap.add_argument("--vocab_size", type=int, default=None, help="default: 50304 for BPE configs, else 256")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
+    ap.add_argument("--mlps", default="eager,fused")
+    ap.add_argument("--compile", default="False,True", help="which compile settings to run, e.g. False")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=None, help="output path without extension")
+    return ap.parse_args(argv)
+
+
+def load_config(args):
+    cfg = {k: v for k, v in runpy.run_path(args.config).items() if not k.startswith("_")}
+    model = {k: cfg[k] for k in MODEL_KEYS if k in cfg}
+    for k in ("block_size", "activation"):
+        if getattr(args, k) is not None:
+            model[k] = getattr(args, k)
+    bpe = "char" not in str(cfg.get("dataset", ""))
+    model["vocab_size"] = args.vocab_size or (50304 if bpe else 256)
+    return model, args.batch_size or cfg.get("batch_size", 12)
+
+
+def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(mlp=mlp, dropout=0.0, **model_args)).to(args.device)
+    model.load_state_dict(state)
+    opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), args.device.split(":")[0])
+    step_model = torch.compile(model) if compiled else model
+    autocast = torch.autocast("cuda", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for i in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for x, y in batches[i % len(batches)]:
+            with autocast:
+                _, loss = step_model(x, y)
+            (loss / len(batches[0])).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    dt = statistics.median(times[args.warmup:])
+    tokens = sum(x.numel() for x, _ in batches[0])
+    mfu = model.estimate_mfu(len(batches[0]) * batches[0][0][0].size(0), dt)
+    return {"mlp": mlp, "compile": compiled, "ms_per_step": dt * 1e3, "tokens_per_s": tokens / dt,
+            "mfu": mfu, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+            "first_losses": losses[:3], "first_step_s": times[0]}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model_args, batch_size = load_config(args)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    T, V = model_args.get("block_size", 1024), model_args["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    # A few distinct step inputs (random ids: real-valued work, never zeros), cycled through.
+    batches = [[tuple(torch.randint(0, V, (batch_size, T), generator=gen).to(args.device) for _ in range(2))
+                for _ in range(args.grad_accum)] for _ in range(4)]
+    torch.manual_seed(0)
+    state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
+    variants = [(m, c == "True") for c in args.compile.split(",") for m in args.mlps.split(",")]
+    rows = []
+    for mlp, compiled in tqdm(variants, desc="variants"):
+        rows.append(run_variant(model_args, state, mlp, compiled, batches, args, dtype))
+
+    name = os.path.splitext(os.path.basename(args.config))[0] + (f"_{args.activation}" if args.activation else "")
+    out = args.out or os.path.join("results", f"bench_{name}")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    env = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype),
+           "model": model_args, "batch_size": batch_size, "grad_accum": args.grad_accum, "steps": args.steps}
+    with open(out + ".json", "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    with open(out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out + ".png", f"{name} on {env['device']}")
+
+    base = next((r for r in rows if r["mlp"] == "eager" and not r["compile"]), rows[0])
+    print(f"\n{env['device']}  torch {env['torch']}  {env['dtype']}  batch {batch_size}x{T} x{args.grad_accum}")
+    print(f"{'variant':<16}{'ms/step':>9}{'tok/s':>11}{'vs eager':>9}{'MFU':>7}{'mem GiB':>9}  first losses")
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
+        print(f"{r['mlp'] + (' +compile' if r['compile'] else ''):<16}{r['ms_per_step']:9.1f}{r['tokens_per_s']:11,.0f}"
+              f"{base['ms_per_step'] / r['ms_per_step']:8.2f}x{mfu:>7}{mem:>9}  "
+              + " ".join(f"{l:.4f}" for l in r["first_losses"]))
+    return rows
+
+
+def plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels = [r["mlp"] + ("\n+compile" if r["compile"] else "") for r in rows]
+    ax.bar(labels, [r["tokens_per_s"] for r in rows], color=["#888" if r["mlp"] == "eager" else "#d62" for r in rows])
+    ax.set_ylabel("tokens / s")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
