@@ -42,7 +42,7 @@ def mlp_case(C, M, activation, compile_times):
     cfg = GPTConfig(n_embd=C, n_head=1, activation=activation, bias=True)
     H, gated = cfg.mlp_hidden, cfg.gated
     mlp = MLP(cfg).cuda().to(DTYPE)
-    w1, b1, w2, b2 = mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias
+    w1, b1, w2 = mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight
     x = torch.randn(M, C, device="cuda", dtype=DTYPE, requires_grad=True)
     dy = torch.randn(M, C, device="cuda", dtype=DTYPE)
     from fused_ops import FusedMLP

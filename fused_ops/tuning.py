@@ -16,8 +16,8 @@ it: it compiles hundreds of kernel variants, and tuning each would take far long
 import os
 import time
 
-import torch
 import triton
+from triton.testing import do_bench
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("FUSED_OPS_AUTOTUNE", "1") == "1"
@@ -77,7 +77,7 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, device, key):
             times = []
             for c in configs:
                 try:
-                    times.append(triton.testing.do_bench(lambda: run(c), warmup=5, rep=25, return_mode="median"))
+                    times.append(do_bench(lambda: run(c), warmup=5, rep=25, return_mode="median"))
                 except Exception:  # e.g. a tile that needs more shared memory than this GPU has
                     times.append(float("inf"))
             cfg = configs[min(range(len(configs)), key=times.__getitem__)]

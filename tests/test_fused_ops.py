@@ -10,20 +10,13 @@ import torch
 import fused_ops
 from fused_ops import linear_act_dgrad, linear_act_forward
 from fused_ops.mlp import FusedMLPFunction, LinearActFunction, fused_mlp, linear_act
-from model import GATED_ACTIVATIONS, PLAIN_ACTIVATIONS
-from numerics import assert_no_worse_than_eager, poisoned, rel_err
+from model import GATED_ACTIVATIONS
+from numerics import assert_no_worse_than_eager, check_dgrad, check_linear_act, eager_act, poisoned, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 ALL_ACTS = ["identity", "gelu", "gelu_tanh", "relu", "relu2"] + list(GATED_ACTIVATIONS)
 SHAPES = [(1, 16, 16), (37, 45, 70), (64, 32, 32), (70, 96, 33)]  # (M, K, N); most are not block multiples
-
-
-def eager_act(name, z):
-    """The model's eager activation on a pre-activation z ((M, N), or (M, 2N) = [gate | up] when gated)."""
-    if name in GATED_ACTIVATIONS:
-        return GATED_ACTIVATIONS[name](*z.chunk(2, dim=-1))
-    return z if name == "identity" else PLAIN_ACTIVATIONS[name](z)
 
 
 def make(shape, dtype, scale=1.0, gen=None):
@@ -38,11 +31,7 @@ def test_linear_act_forward(act, dtype, M, K, N):
     x, w, b = make((M, K), dtype), make(((2 if gated else 1) * N, K), dtype, K ** -0.5), make(((2 if gated else 1) * N,), dtype)
     out, pre = poisoned((M, N), dtype, DEVICE), poisoned((M, w.shape[0]), dtype, DEVICE)
     linear_act_forward(x, w, b, act, out=out, pre=pre)
-
-    z64 = x.double() @ w.double().t() + b.double()
-    z_eager = torch.addmm(b, x, w.t())
-    assert_no_worse_than_eager(pre, z_eager, z64, "pre-activation")
-    assert_no_worse_than_eager(out, eager_act(act, z_eager), eager_act(act, z64), "output")
+    check_linear_act(out, pre, x, w, b, act)
 
 
 @pytest.mark.parametrize("act", ALL_ACTS)
@@ -56,16 +45,7 @@ def test_dgrad(act, dtype, M, K, N):
     out = poisoned(pre.shape, dtype, DEVICE)
     grad_pre, grad_bias = linear_act_dgrad(grad_y, w2, pre, act, out=out)
     assert grad_pre is out
-
-    def eager_grad(pre_t, gy, w):
-        p = pre_t.detach().requires_grad_()
-        (g,) = torch.autograd.grad(eager_act(act, p), p, gy @ w)
-        return g
-
-    ref = eager_grad(pre.double(), grad_y.double(), w2.double())
-    eager = eager_grad(pre, grad_y, w2)
-    assert_no_worse_than_eager(grad_pre, eager, ref, "grad_pre")
-    assert_no_worse_than_eager(grad_bias, eager.float().sum(0), ref.sum(0), "bias grad")
+    check_dgrad(grad_pre, grad_bias, grad_y, w2, pre, act)
 
 
 def _mlp_tensors(dtype, act, M=33, C=40, H=72, bias=True, shape=None):

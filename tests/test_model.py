@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fused_ops
-from model import GPT, GPTConfig, MLP, gpu_peak_flops
+from model import GPT, GPTConfig, gpu_peak_flops
 
 TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 

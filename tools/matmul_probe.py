@@ -1,10 +1,20 @@
-"""Probe: where does the fused forward lose time against cuBLAS? Bare main loop variants, same shape."""
-import os, sys
+"""Probe: where does the fused forward lose time against cuBLAS? A plain Triton matmul (the control)
+and our kernel with parts of its epilogue switched off, at the GPT-2 MLP shape, CUDA-graph timed.
+
+    python tools/matmul_probe.py          (results: notes/perf.md)
+"""
+
+import os
+import sys
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch, triton, triton.language as tl
+
+import torch
+import triton
+import triton.language as tl
 from triton.testing import do_bench_cudagraph
+
 from fused_ops.linear_act import linear_act_kernel
-from fused_ops.dgrad import dgrad_kernel
 
 
 @triton.jit

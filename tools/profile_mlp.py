@@ -15,7 +15,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from fused_ops import FusedMLP, linear_act_dgrad, linear_act_forward
+from fused_ops import FusedMLP, linear_act_forward
 from fused_ops.activations import kernel_activations
 from fused_ops.dgrad import dgrad_kernel
 from fused_ops.linear_act import linear_act_kernel
