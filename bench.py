@@ -3,7 +3,8 @@ End-to-end training throughput: mlp="eager" vs mlp="fused", each with and withou
 
     python bench.py configs/gpt2_124m.py                       # GPU: full training steps, bf16
     python bench.py configs/gpt2_124m.py --activation=swiglu --steps=30
-    python bench.py configs/shakespeare_char_cpu.py --device=cpu --compile=False --steps=3   # CPU smoke run
+    python bench.py configs/shakespeare_char_cpu.py --device=cpu --mlps=eager --compile=False --steps=3
+    (on CPU the fused kernels run only under the interpreter: TRITON_INTERPRET=1, slow)
 
 Each variant starts from the same weights and sees the same batches (random token ids), so the losses of
 the first steps must agree across variants; they are printed next to the timings. A step is forward,
@@ -64,7 +65,8 @@ def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
     model.load_state_dict(state)
     opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), args.device.split(":")[0])
     step_model = torch.compile(model) if compiled else model
-    autocast = torch.autocast("cuda", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    device_type = args.device.split(":")[0]
+    autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()

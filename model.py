@@ -49,6 +49,11 @@ class GPTConfig:
         known = list(PLAIN_ACTIVATIONS) + list(GATED_ACTIVATIONS)
         if self.activation not in known:
             raise ValueError(f"config key 'activation' must be one of {known}, got {self.activation!r}")
+        for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"config key {key!r} must be positive, got {getattr(self, key)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"config key 'dropout' must be in [0, 1), got {self.dropout}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"config key 'n_embd' ({self.n_embd}) must be divisible by 'n_head' ({self.n_head})")
 
@@ -162,11 +167,12 @@ GPU_PEAK_BF16_FLOPS = {
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
     "H100": 989e12,  # SXM
-    "H200": 989e12,
     "GH200": 989e12,
+    "H200": 989e12,
     "B200": 2250e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "A10G": 70e12,
     "A10": 125e12,
@@ -245,9 +251,10 @@ class GPT(nn.Module):
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
         """Model FLOPs utilization against the GPU's peak bf16 rate; None where that peak is unknown (CPU too)."""
-        if not torch.cuda.is_available():
+        device = self.lm_head.weight.device
+        if device.type != "cuda":
             return None
-        peak = gpu_peak_flops(torch.cuda.get_device_name())
+        peak = gpu_peak_flops(torch.cuda.get_device_name(device))
         if peak is None:
             return None
         cfg = self.config

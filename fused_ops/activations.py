@@ -1,7 +1,7 @@
 """Activations and their derivatives as Triton device functions, picked by a compile-time name.
 
 The matmul kernels call `activation(x, NAME)` / `activation_grad(x, NAME)` in their epilogues; since
-NAME is a `tl.constexpr`, each kernel compiles only the branch it uses. Everything is evaluated in fp32.
+NAME is a `tl.constexpr`, each kernel compiles only the branch it uses. Everything is evaluated in the accumulator dtype (fp32; fp64 under the interpreter's gradcheck).
 
 Model-level names map to kernel names here: a plain activation is one name; a gated one is a pair
 (gate activation, up activation), out = gate_act(gate) * up_act(up).

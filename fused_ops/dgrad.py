@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .activations import activation, activation_grad, kernel_activations
-from .matmul import dot_settings, matmul_loop, needs_int64, tile_ids
+from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, tile_ids
 from .tuning import launch_matmul, matmul_configs
 
 
@@ -72,7 +72,9 @@ def linear_act_dgrad(grad_y, w2, pre, activation, bias_grad=True, out=None):
     act, up_act, gated = kernel_activations(activation)
     M, K = grad_y.shape
     N = w2.shape[1]
-    out = torch.empty_like(pre) if out is None else out
+    check_buffer("pre", pre, (M, (2 if gated else 1) * N))
+    out = torch.empty(pre.shape, device=pre.device, dtype=pre.dtype) if out is None else out
+    check_buffer("out", out, pre.shape)
     acc_dtype, precision = dot_settings(grad_y.dtype)
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
     if M == 0:
@@ -86,7 +88,7 @@ def linear_act_dgrad(grad_y, w2, pre, activation, bias_grad=True, out=None):
             pre.stride(0), out.stride(0), partial.stride(0))
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, BIAS_GRAD=bias_grad,
                   ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(grad_y, w2, pre, out))
-    key = ("dgrad", N, K, grad_y.dtype, *consts.values())
+    key = ("dgrad", N, K, grad_y.dtype, w2.stride(), grad_y.device, *consts.values())
     cfg = launch_matmul(dgrad_kernel, M, N, K, args, consts, False, grad_y.device, key)
     if not bias_grad:
         return out, None

@@ -34,7 +34,7 @@ def matmul_loop(a_ptr, b_ptr, offs_m, offs_n, M, N, K,
     (GLU) kernels use it for the gate and up halves of one weight, reading each A tile once for both.
     Rows past M and columns past N are masked (not wrapped with a modulo, which would hide from the
     compiler that offs_n is contiguous and scalarize loads of a row-major B). The K tail is masked only
-    when K % BLOCK_K != 0. INT64 switches to 64-bit offsets for tensors of 2**31 elements or more.
+    when K % BLOCK_K != 0. INT64 switches to 64-bit offsets when some element offset reaches 2**31 (see needs_int64).
     """
     rk = tl.arange(0, BLOCK_K)
     rows, cols = offs_m, offs_n
@@ -77,5 +77,14 @@ def dot_settings(dtype):
 
 
 def needs_int64(*tensors):
-    """64-bit offsets only when some tensor spans 2**31 elements or more (32-bit math is faster)."""
-    return any(t is not None and t.numel() >= 2 ** 31 for t in tensors)
+    """64-bit offsets only when some tensor's largest element offset reaches 2**31 (32-bit math is faster)."""
+    return any(t is not None and t.numel() > 0 and
+               sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2 ** 31 for t in tensors)
+
+
+def check_buffer(name, t, shape):
+    """Output / saved buffers are written with unit column stride: reject anything else up front."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit column stride (rows may be strided), got strides {t.stride()}")

@@ -28,7 +28,8 @@ def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation):
     _, _, gated = kernel_activations(activation)  # raises on an unknown name
     if not kernels_can_run(x):
         raise ValueError(f"x is on {x.device}: the fused MLP needs CUDA tensors (or TRITON_INTERPRET=1 set before "
-                         "Triton is imported, to run the kernels on CPU); use mlp='eager' or 'auto' instead")
+                         "Triton is imported, to run the kernels on CPU); use mlp='eager' or 'auto' instead "
+                         "(sample.py / train.py: --mlp=eager)")
     named = {"x": x, "w_fc": w_fc, "b_fc": b_fc, "w_proj": w_proj, "b_proj": b_proj}
     for name, t in named.items():
         if t is None:
@@ -57,6 +58,8 @@ def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation):
     for name, b, n in (("b_fc", b_fc, expected), ("b_proj", b_proj, C)):
         if b is not None and tuple(b.shape) != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(b.shape)}")
+        if b is not None and n > 1 and b.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous (stride 1), got stride {b.stride(0)}; pass {name}.contiguous()")
 
 
 class LinearActFunction(torch.autograd.Function):
@@ -109,10 +112,12 @@ class FusedMLPFunction(torch.autograd.Function):
         grad_w_proj = g.t() @ h if need_w_proj else None
         grad_b_proj = g.sum(0) if need_b_proj else None
         bias_grad = ctx.has_bias[0] and need_b_fc
-        grad_pre, grad_b_fc = dgrad_op(g, w_proj, pre, ctx.activation, bias_grad)
-        grad_w_fc = grad_pre.t() @ x2 if need_w_fc else None
-        grad_x = (grad_pre @ w_fc).view(*grad_y.shape[:-1], x2.shape[1]) if need_x else None
-        grad_b_fc = grad_b_fc.to(grad_pre.dtype) if bias_grad else None
+        grad_x = grad_w_fc = grad_b_fc = None
+        if need_x or need_w_fc or bias_grad:  # nothing below the activation needs a gradient otherwise
+            grad_pre, grad_b_fc = dgrad_op(g, w_proj, pre, ctx.activation, bias_grad)
+            grad_w_fc = grad_pre.t() @ x2 if need_w_fc else None
+            grad_x = (grad_pre @ w_fc).view(*grad_y.shape[:-1], x2.shape[1]) if need_x else None
+            grad_b_fc = grad_b_fc.to(grad_pre.dtype) if bias_grad else None
         return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj, None
 
 
@@ -137,6 +142,9 @@ def linear_act(x, weight, bias, activation):
     """act(x @ weight.T + bias) through the Triton kernel; x of shape (..., K)."""
     x, weight, bias = _autocast(x, weight, bias)
     _, _, gated = kernel_activations(activation)
+    if x.dim() < 2 or weight.dim() != 2 or (gated and weight.shape[0] % 2):
+        raise ValueError(f"linear_act needs x of shape (..., K) and weight of shape (N, K) (an even N = 2*H of "
+                         f"[gate; up] rows when gated); got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     # Reuse the MLP's checks with a stand-in (n_out, n) projection shape.
     check_mlp_args(x, weight, bias, weight.new_empty(x.shape[-1], n), None, activation)

@@ -41,4 +41,4 @@ def dgrad_op(grad_y: Tensor, w2: Tensor, pre: Tensor, activation: str, bias_grad
 @dgrad_op.register_fake
 def _(grad_y, w2, pre, activation, bias_grad):
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
-    return torch.empty_like(pre), pre.new_empty(pre.shape[1], dtype=sum_dtype) if bias_grad else grad_y.new_empty(0)
+    return pre.new_empty(pre.shape), pre.new_empty(pre.shape[1], dtype=sum_dtype) if bias_grad else grad_y.new_empty(0)

@@ -57,7 +57,7 @@ def matmul_configs(gated=False):
 
 
 def launch_matmul(kernel, M, N, K, args, consts, gated, device, key):
-    """Launch a persistent matmul kernel with the tuned config for `key`, tuning on first use.
+    """Launch a tiled matmul kernel (one program per output tile) with the tuned config for `key`, tuning on first use.
 
     Returns the config used (callers that size buffers per row-tile need its BLOCK_M).
     """

@@ -150,3 +150,20 @@ def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
     x, w_fc, b_fc, w_proj, b_proj = (t.cpu() for t in _mlp_tensors(torch.float32, "gelu"))
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         fused_mlp(x, w_fc, b_fc, w_proj, b_proj, "gelu")
+
+
+def test_strided_bias_and_buffers_are_rejected_not_misread():
+    x, w_fc, b_fc, w_proj, b_proj = _mlp_tensors(torch.float32, "gelu")
+    strided_bias = torch.repeat_interleave(b_fc, 2)[::2]
+    assert torch.equal(strided_bias, b_fc) and strided_bias.stride(0) == 2
+    with pytest.raises(ValueError, match="b_fc must be contiguous"):
+        fused_mlp(x, w_fc, strided_bias, w_proj, b_proj, "gelu")
+    M, N = x.shape[0], w_fc.shape[0]
+    wide = torch.empty(M, 2 * N, device=DEVICE)
+    with pytest.raises(ValueError, match="out must have unit column stride"):
+        linear_act_forward(x, w_fc, b_fc, "gelu", out=wide[:, ::2])
+    with pytest.raises(ValueError, match="pre must have shape"):
+        linear_act_forward(x, w_fc, b_fc, "gelu", pre=torch.empty(M, N + 1, device=DEVICE))
+    pre = make((M, N), torch.float32)
+    with pytest.raises(ValueError, match="pre must have unit column stride"):
+        linear_act_dgrad(make((M, 40), torch.float32), w_proj, torch.repeat_interleave(pre, 2, dim=1)[:, ::2], "gelu")

@@ -102,3 +102,9 @@ def test_gpu_peak_table():
     assert gpu_peak_flops("Some Future GPU") is None
     if not torch.cuda.is_available():
         assert GPT(GPTConfig(**TINY)).estimate_mfu(1, 0.1) is None
+
+
+@pytest.mark.parametrize("key,value", [("n_head", 0), ("block_size", 0), ("dropout", 1.5), ("n_layer", -1)])
+def test_bad_sizes_name_the_key(key, value):
+    with pytest.raises(ValueError, match=key):
+        GPTConfig(**{key: value})
