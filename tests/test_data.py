@@ -254,6 +254,58 @@ def test_ensure_dataset_prepares_once(tmp_path, monkeypatch):
     assert data.ensure_dataset(d, data_root="elsewhere") == d  # a prepared dir is used as is
 
 
+def test_interrupted_re_preparation_never_mixes_old_and_new(tmp_path, monkeypatch):
+    """Re-preparing a dataset (another source and vocabulary) crashes at each point in turn: while writing
+    val.bin, then at each rename into place. Each time the folder either still holds the old, complete
+    dataset, or lacks meta.json, so that ensure_dataset prepares it again; never old meta beside new tokens."""
+    old_src, new_src = tmp_path / "old.txt", tmp_path / "new.txt"
+    old_src.write_text("to be or not to be\n" * 50)
+    new_src.write_text("all the world's a stage, and all the men and women merely players\n" * 30)
+    monkeypatch.chdir(tmp_path)
+
+    def consistent(d):  # the tokens decode to the whole text of the source meta.json names
+        meta = data.load_meta(d)
+        train, val = read_bins(d)
+        assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
+        _, decode = data.get_tokenizer(meta)
+        assert decode(train) + decode(val) == open(meta["source"]).read()
+        assert not [f for f in os.listdir(d) if ".tmp" in f]  # no temp file left behind
+        return meta["source"]
+
+    real_write, real_replace = data._write_bin, os.replace
+    for crash in ("val.bin", 0, 1, 2):  # during the val.bin write, or at the n-th rename
+        d = os.path.join("data", f"crash_{crash}")
+        data.prepare(d, source=str(old_src))
+        calls = []
+
+        def write_then_crash(path, *args, **kwargs):
+            if "val.bin" in path and crash == "val.bin":
+                real_write(path, *args, **kwargs)  # most of the file is written, then...
+                raise KeyboardInterrupt
+            return real_write(path, *args, **kwargs)
+
+        def replace_then_crash(src, dst):
+            calls.append(dst)
+            if len(calls) - 1 == crash:
+                raise OSError(28, "No space left on device")
+            return real_replace(src, dst)
+
+        with monkeypatch.context() as m:
+            m.setattr(data, "_write_bin", write_then_crash)
+            m.setattr(data.os, "replace", replace_then_crash)
+            with pytest.raises((KeyboardInterrupt, OSError)):
+                data.prepare(d, source=str(new_src))
+        if crash == "val.bin":
+            assert data._is_prepared(d) and consistent(d) == str(old_src)  # the old set, untouched
+        elif data._is_prepared(d):
+            assert consistent(d) == str(old_src)
+        else:  # detected as incomplete: prepared again on the next use
+            monkeypatch.setitem(data.DATASETS, f"crash_{crash}", dict(source=str(new_src), tokenizer="char"))
+            assert data.ensure_dataset(f"crash_{crash}", data_root="data") == d
+            assert consistent(d) == str(new_src)
+        assert calls or crash == "val.bin"  # every crash point was reached
+
+
 def test_load_tokens_rejects_bad_split(tmp_path):
     with pytest.raises(ValueError, match="'test'"):
         data.load_tokens(str(tmp_path), "test")

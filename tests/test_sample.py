@@ -80,3 +80,24 @@ def test_clear_errors(out_dir, tmp_path):
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 1 and "no checkpoint at" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_vocabulary_without_newline(tmp_path, capsys):
+    """A character vocabulary from text with no newline: the default start ("\\n") falls back to the first
+    token, both in the sample train.py prints and in sample.py; a --start it cannot encode names the characters."""
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    data.prepare(str(tmp_path / "data"), source=str(tmp_path / "corpus.txt"), tokenizer="char")
+    assert "\n" not in data.load_meta(str(tmp_path / "data"))["chars"]
+    out = str(tmp_path / "out")
+    train.main(["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",
+                "--gradient_accumulation_steps=1", "--max_iters=2", "--eval_interval=2", "--eval_iters=1",
+                "--mlp=eager", "--device=cpu", "--dtype=float32", "--progress=False", "--plot=False",
+                "--sample_after=True", f"--dataset={tmp_path / 'data'}", f"--out_dir={out}"])
+    captured = capsys.readouterr()
+    assert "--- sample after 2 iterations ---\n " in captured.out  # ' ' is the first (sorted) character
+    assert "no '\\n'" in captured.err and "first token ' '" in captured.err
+    samples = sample.main([f"--out_dir={out}", "--device=cpu", "--num_samples=1", "--max_new_tokens=5"])
+    assert samples[0].startswith(" ") and len(samples[0]) == 6
+    assert "no '\\n'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"characters 'Z', '\\n' are not in this dataset's vocabulary"):
+        sample.main([f"--out_dir={out}", "--device=cpu", "--start=the Zoo\nZ"])

@@ -97,6 +97,42 @@ def test_resume_continues_exactly(dataset, tmp_path):
     assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
 
 
+def test_resume_reads_and_writes_the_out_dir_given(dataset, tmp_path, monkeypatch):
+    """The checkpoint remembers the out_dir it was written to; a resume must still use the folder it was asked
+    for (here the default "out", the first run's folder renamed), not recreate the old one."""
+    monkeypatch.chdir(tmp_path)
+    run(dataset, "first", "--max_iters=2", "--eval_interval=2", "--lr_decay_iters=4")
+    os.rename("first", "out")
+    train.main(TINY + [f"--dataset={dataset}", "--init_from=resume", "--max_iters=4"])  # out_dir: the default
+    assert not os.path.exists("first")
+    ckpt = torch.load(os.path.join("out", "ckpt.pt"), weights_only=True)
+    assert ckpt["iter_num"] == 4 and ckpt["config"]["out_dir"] == "out"
+    assert [r["config"]["out_dir"] for r in read_log("out") if r["type"] == "run"] == ["first", "out"]
+
+
+def test_resume_keeps_the_checkpoint_architecture(dataset, tmp_path, capsys):
+    """On resume the architecture keys come from the checkpoint, whatever the command line says (with a
+    warning); run-time keys given on the command line win over the checkpoint's."""
+    out = str(tmp_path / "out")
+    run(dataset, out, "--max_iters=2", "--eval_interval=2", "--lr_decay_iters=4")
+    capsys.readouterr()
+    train.main(TINY + [f"--dataset={dataset}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4",
+                       "--block_size=64", "--n_layer=3", "--activation=relu", "--vocab_size=100",
+                       "--eval_interval=4", "--eval_iters=3", "--dropout=0.1", "--log_interval=2"])
+    err = capsys.readouterr().err
+    for key, old in (("block_size", 32), ("n_layer", 2), ("activation", "'gelu'")):
+        assert f"{key}={old}" in err, err
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert ckpt["iter_num"] == 4
+    arch = {k: ckpt["config"][k] for k in ("block_size", "n_layer", "activation")}
+    assert arch == {k: ckpt["model_args"][k] for k in arch} == {"block_size": 32, "n_layer": 2, "activation": "gelu"}
+    assert ckpt["config"]["vocab_size"] == ckpt["model_args"]["vocab_size"] == data.load_meta(dataset)["vocab_size"]
+    assert (ckpt["config"]["max_iters"], ckpt["config"]["eval_interval"], ckpt["config"]["eval_iters"],
+            ckpt["config"]["dropout"], ckpt["config"]["log_interval"]) == (4, 4, 3, 0.1, 2)
+    assert ckpt["model_args"]["dropout"] == 0.1
+    assert sorted(step_losses(read_log(out))) == [0, 1, 2]  # iters 0, 1 from the first run; 2 (not 3) logged now
+
+
 def test_interrupted_checkpoint_write_keeps_previous(dataset, tmp_path, monkeypatch):
     out = str(tmp_path / "out")
     run(dataset, out, "--max_iters=2", "--eval_interval=2")
