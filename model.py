@@ -42,6 +42,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linears and LayerNorms, as GPT-2
     mlp: str = "eager"  # "eager" | "fused" | "auto"
     activation: str = "gelu"  # a key of PLAIN_ACTIVATIONS or GATED_ACTIVATIONS
+    fuse_ln: bool = False  # fold each block's second LayerNorm into the fused MLP's first matmul
 
     def __post_init__(self):
         if self.mlp not in MLP_KINDS:
@@ -54,6 +55,9 @@ class GPTConfig:
                 raise ValueError(f"config key {key!r} must be positive, got {getattr(self, key)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"config key 'dropout' must be in [0, 1), got {self.dropout}")
+        if self.fuse_ln and self.mlp == "eager":
+            raise ValueError("config key 'fuse_ln' folds the LayerNorm into the fused MLP: it needs mlp='fused' "
+                             "or 'auto', got mlp='eager'")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"config key 'n_embd' ({self.n_embd}) must be divisible by 'n_head' ({self.n_head})")
 
@@ -115,7 +119,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The eager MLP: c_fc, activation, c_proj. For gated activations c_fc makes [gate | up] in one matmul."""
+    """The eager MLP: c_fc, activation, c_proj. For gated activations c_fc makes [gate | up] in one matmul.
+
+    It takes the block's LayerNorm as an argument and applies it first, so that a fused MLP can fold the
+    normalization into its first matmul (config.fuse_ln) while the parameters stay in Block.ln_2."""
 
     def __init__(self, config):
         super().__init__()
@@ -125,8 +132,8 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
-        h = self.c_fc(x)
+    def forward(self, x, norm=None):
+        h = self.c_fc(x if norm is None else norm(x))
         if self.gated:
             h = GATED_ACTIVATIONS[self.activation](*h.chunk(2, dim=-1))
         else:
@@ -158,7 +165,7 @@ class Block(nn.Module):
 
     def forward(self, x, cache=None):
         x = x + self.attn(self.ln_1(x), cache)
-        return x + self.mlp(self.ln_2(x))
+        return x + self.mlp(x, norm=self.ln_2)
 
 
 # Peak dense bf16 tensor-core FLOP/s by GPU model (vendor datasheets, without sparsity). Order matters:

@@ -40,8 +40,8 @@ def dgrad_kernel(
     z = tl.load(pre_ptrs, mask=mask, other=0.0)
     if GATED:
         z_up = tl.load(pre_ptrs + N, mask=mask, other=0.0)
-    grad_h, _ = matmul_loop(g_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_gm, stride_gk, stride_wk, stride_wn,
-                            0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64, BLOCK_M, BLOCK_N, BLOCK_K)
+    grad_h = matmul_loop(g_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_gm, stride_gk, stride_wk, stride_wn,
+                         0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64, BLOCK_M, BLOCK_N, BLOCK_K)[0]
 
     # Epilogue: multiply by the activation derivative at the saved pre-activation.
     z = z.to(ACC_DTYPE)

@@ -5,6 +5,12 @@ Gated:  out = gate_act(x @ Wg.T + bg) * up_act(x @ Wu.T + bu), with W = [Wg; Wu]
         Both halves of an output tile are computed by the same program from one read of x (two
         accumulators), so the gate and up projections never travel through global memory separately.
 The pre-activation (both halves for GLU) is written only when backward will need it.
+
+LayerNorm fold (ln_linear_act_forward): act(LN(x) @ W.T + b) from the raw x. With W' = W·diag(γ),
+colsum = W' summed over inputs and b' = b + W β:
+        LN(x) @ W.T + b = (x @ W'.T - mean(x)·colsum) / std(x) + b'
+The row statistics are gathered in the same K loop as the matmul (see matmul_loop's ROW_STATS), so
+the normalized x is never written; the mean and 1/std of each row are saved for backward.
 """
 
 import torch
@@ -18,23 +24,33 @@ from .tuning import TRANSPOSE_WEIGHT_MIN_M, launch_matmul
 
 @triton.jit
 def linear_act_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, pre_ptr, M, N, K,
+    x_ptr, w_ptr, b_ptr, out_ptr, pre_ptr, colsum_ptr, stats_ptr, eps, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_pm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, LN_FOLD: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # B = W.T: step along K with W's column stride, along N with its row stride. The up half starts N rows down.
-    z, z_up = matmul_loop(x_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-                          N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K)
+    z, z_up, shift, mean, m2 = matmul_loop(
+        x_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, N * stride_wn,
+        ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K, ROW_STATS=LN_FOLD)
 
     # Epilogue, on the tile in registers.
     n_mask = offs_n < N
     mask = (offs_m < M)[:, None] & n_mask[None, :]
+    if LN_FOLD:  # z = (x - s) @ W'.T: subtract mean(x - s) * colsum and divide by the row's std
+        rstd = 1.0 / tl.sqrt(m2 / K + eps)
+        z = (z - mean[:, None] * tl.load(colsum_ptr + offs_n, mask=n_mask, other=0.0)[None, :]) * rstd[:, None]
+        if GATED:
+            colsum_up = tl.load(colsum_ptr + N + offs_n, mask=n_mask, other=0.0)
+            z_up = (z_up - mean[:, None] * colsum_up[None, :]) * rstd[:, None]
+        if SAVE_PRE and pid_n == 0:  # one program per row-tile saves the row statistics backward needs
+            tl.store(stats_ptr + offs_m, shift + mean, mask=offs_m < M)
+            tl.store(stats_ptr + M + offs_m, rstd, mask=offs_m < M)
     if HAS_BIAS:
         z += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
         if GATED:
@@ -58,6 +74,32 @@ def linear_act_forward(x, weight, bias, activation, save_pre=True, out=None, pre
     out / pre: optional preallocated outputs with unit column stride (tests poison them to catch
     unwritten elements). Arguments are assumed validated (see fused_ops.mlp.check_mlp_args).
     """
+    out, pre, _ = _launch(x, weight, bias, activation, save_pre, out, pre)
+    return out, pre
+
+
+def fold_layernorm(weight, bias, ln_weight, ln_bias):
+    """(W' = W·diag(γ) in W's dtype, colsum = W' summed over inputs, b' = b + W β), the last two in fp32
+    (fp64 for fp64). colsum is summed from the rounded W' the kernel multiplies with, so the mean term
+    cancels exactly what the matmul added."""
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    w_folded = weight if ln_weight is None else (weight.to(acc) * ln_weight.to(acc)).to(weight.dtype)
+    colsum = w_folded.to(acc).sum(1)
+    b_folded = torch.zeros(weight.shape[0], device=weight.device, dtype=acc) if bias is None else bias.to(acc)
+    if ln_bias is not None:
+        b_folded = b_folded + weight.to(acc) @ ln_bias.to(acc)
+    return w_folded, colsum, b_folded
+
+
+def ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, save_pre=True, out=None, pre=None):
+    """act(LayerNorm(x) @ weight.T + bias) with the LayerNorm folded into the matmul (γ = ln_weight and
+    β = ln_bias may be None). Returns (out, pre or None, stats or None): stats (2, M) holds each row's
+    mean and 1/std in fp32 (fp64 for fp64), what the LayerNorm backward needs."""
+    w_folded, colsum, b_folded = fold_layernorm(weight, bias, ln_weight, ln_bias)
+    return _launch(x, w_folded, b_folded, activation, save_pre, out, pre, ln=(colsum, eps))
+
+
+def _launch(x, weight, bias, activation, save_pre, out, pre, ln=None):
     act, up_act, gated = kernel_activations(activation)
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -67,18 +109,22 @@ def linear_act_forward(x, weight, bias, activation, save_pre=True, out=None, pre
     check_buffer("out", out, (M, N))
     if save_pre:
         check_buffer("pre", pre, (M, weight.shape[0]))
+    colsum, eps = ln if ln is not None else (None, 0.0)
+    stats = torch.empty((2, M), device=x.device, dtype=colsum.dtype) if ln is not None and save_pre else None
     if M == 0:
-        return out, (pre if save_pre else None)
+        return out, (pre if save_pre else None), stats
     if x.is_cuda and M >= TRANSPOSE_WEIGHT_MIN_M and weight.stride(1) == 1:
         # The tensor cores are fed faster from an N-major B = W.T; a row-major (N, K) weight is K-major.
         # One transposed copy of W (a few us) saves more than that in the main loop once M is large
         # (measured on an H100 only, M=12288, C=768, H=3072: a plain Triton matmul 1.42x -> 1.17x cuBLAS).
         weight = weight.t().contiguous().t()
     acc_dtype, precision = dot_settings(x.dtype)
-    args = (x, weight, bias if bias is not None else weight, out, pre if save_pre else out, M, N, K,
+    args = (x, weight, bias if bias is not None else weight, out, pre if save_pre else out,
+            colsum if ln is not None else weight, stats if stats is not None else out, eps, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), pre.stride(0) if save_pre else 0)
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, SAVE_PRE=save_pre,
-                  ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(x, weight, out, pre))
+                  LN_FOLD=ln is not None, ACC_DTYPE=acc_dtype, PRECISION=precision,
+                  INT64=needs_int64(x, weight, out, pre))
     key = ("linear_act", N, K, x.dtype, weight.stride(), x.device, *consts.values())
     launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, x.device, key)
-    return out, (pre if save_pre else None)
+    return out, (pre if save_pre else None), stats

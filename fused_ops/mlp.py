@@ -5,6 +5,12 @@ Forward:   h, pre = linear_act(x, W1, b1)               (Triton: matmul + bias +
 Backward:  dW2 = grad_y.T @ h, db2 = grad_y.sum(0)     (cuBLAS)
            grad_pre, db1 = linear_act_dgrad(grad_y, W2, pre)   (Triton: matmul * act'(pre), bias sums fused)
            dW1 = grad_pre.T @ x, dx = grad_pre @ W1     (cuBLAS)
+
+With the block's LayerNorm folded in (ln_weight / ln_bias / ln_eps given), x is the raw residual stream:
+Forward:   h, pre, stats = ln_linear_act(x, γ, β, W1, b1)   (Triton: LN folded into the matmul, see linear_act.py)
+Backward:  grad_ln = grad_pre @ W1                           (cuBLAS)
+           dx, ln, dγ, dβ = layernorm_backward(x, grad_ln, stats)   (Triton: one pass, recomputes ln = LN(x))
+           dW1 = grad_pre.T @ ln                              (cuBLAS)
 """
 
 import torch
@@ -12,7 +18,7 @@ import torch
 from model import MLP, PLAIN_ACTIVATIONS, GATED_ACTIVATIONS
 
 from .activations import kernel_activations
-from .ops import dgrad_op, linear_act_op
+from .ops import dgrad_op, layernorm_backward_op, linear_act_op, ln_linear_act_op
 from .tuning import INTERPRET
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: interpreter only
@@ -23,8 +29,10 @@ def kernels_can_run(x):
     return x.is_cuda or (INTERPRET and x.device.type == "cpu")
 
 
-def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation):
-    """Reject what the kernels cannot take with an error naming the argument, before any launch."""
+def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None):
+    """Reject what the kernels cannot take with an error naming the argument, before any launch.
+
+    The LayerNorm parameters may keep their own float dtype (fp32 under autocast, as nn.LayerNorm's)."""
     _, _, gated = kernel_activations(activation)  # raises on an unknown name
     if not kernels_can_run(x):
         raise ValueError(f"x is on {x.device}: the fused MLP needs CUDA tensors (or TRITON_INTERPRET=1 set before "
@@ -55,7 +63,12 @@ def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation):
     if w_fc.shape[0] != expected:
         raise ValueError(f"w_fc must have {'2*H' if gated else 'H'} = {expected} rows for activation "
                          f"{activation!r} (H = w_proj.shape[1] = {H}), got {w_fc.shape[0]}")
-    for name, b, n in (("b_fc", b_fc, expected), ("b_proj", b_proj, C)):
+    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t is not None and (t.dtype not in KERNEL_DTYPES or t.device != x.device):
+            raise TypeError(f"{name} must be a floating tensor on {x.device} with dtype in {KERNEL_DTYPES}, "
+                            f"got {t.dtype} on {t.device}")
+    for name, b, n in (("b_fc", b_fc, expected), ("b_proj", b_proj, C), ("ln_weight", ln_weight, C),
+                       ("ln_bias", ln_bias, C)):
         if b is not None and tuple(b.shape) != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(b.shape)}")
         if b is not None and n > 1 and b.stride(0) != 1:
@@ -91,34 +104,49 @@ class LinearActFunction(torch.autograd.Function):
 
 
 class FusedMLPFunction(torch.autograd.Function):
-    """y = act(x @ W1.T + b1) @ W2.T + b2, with the activation derivative fused into backward's dgrad."""
+    """y = act(x @ W1.T + b1) @ W2.T + b2, with the activation derivative fused into backward's dgrad.
+
+    Given ln_eps (with ln_weight / ln_bias, either may be None), x first goes through LayerNorm, folded
+    into the first matmul: the normalized x is never written in forward, and is recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation):
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None, ln_eps=None):
         x2 = x.reshape(-1, x.shape[-1])
-        needs_grad = any(ctx.needs_input_grad[:5])
-        h, pre = linear_act_op(x2, w_fc, b_fc, activation, needs_grad)
+        needs_grad = any(ctx.needs_input_grad[:5]) or any(ctx.needs_input_grad[6:8])
+        stats = None
+        if ln_eps is None:
+            h, pre = linear_act_op(x2, w_fc, b_fc, activation, needs_grad)
+        else:
+            h, pre, stats = ln_linear_act_op(x2, ln_weight, ln_bias, ln_eps, w_fc, b_fc, activation, needs_grad)
         y = h @ w_proj.t() if b_proj is None else torch.addmm(b_proj, h, w_proj.t())
-        ctx.activation, ctx.has_bias = activation, (b_fc is not None, b_proj is not None)
+        ctx.activation, ctx.has_bias, ctx.fold_ln = activation, (b_fc is not None, b_proj is not None), ln_eps is not None
         if needs_grad:
-            ctx.save_for_backward(x2, w_fc, w_proj, h, pre)
+            ctx.save_for_backward(x2, w_fc, w_proj, h, pre, ln_weight, ln_bias, stats)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
-        x2, w_fc, w_proj, h, pre = ctx.saved_tensors
-        need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj = ctx.needs_input_grad[:5]
+        x2, w_fc, w_proj, h, pre, ln_weight, ln_bias, stats = ctx.saved_tensors
+        # needs_input_grad has one entry per argument given: pad for calls without the LayerNorm ones.
+        need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj, _, need_ln_w, need_ln_b = \
+            (tuple(ctx.needs_input_grad) + (False,) * 3)[:8]
         g = grad_y.reshape(-1, grad_y.shape[-1])
         grad_w_proj = g.t() @ h if need_w_proj else None
         grad_b_proj = g.sum(0) if need_b_proj else None
         bias_grad = ctx.has_bias[0] and need_b_fc
-        grad_x = grad_w_fc = grad_b_fc = None
-        if need_x or need_w_fc or bias_grad:  # nothing below the activation needs a gradient otherwise
+        grad_x = grad_w_fc = grad_b_fc = grad_ln_w = grad_ln_b = None
+        if need_x or need_w_fc or bias_grad or need_ln_w or need_ln_b:  # else nothing below the activation needs one
             grad_pre, grad_b_fc = dgrad_op(g, w_proj, pre, ctx.activation, bias_grad)
-            grad_w_fc = grad_pre.t() @ x2 if need_w_fc else None
-            grad_x = (grad_pre @ w_fc).view(*grad_y.shape[:-1], x2.shape[1]) if need_x else None
             grad_b_fc = grad_b_fc.to(grad_pre.dtype) if bias_grad else None
-        return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj, None
+            if ctx.fold_ln:
+                grad_x2, ln, grad_ln_w, grad_ln_b = layernorm_backward_op(x2, grad_pre @ w_fc, ln_weight, ln_bias, stats)
+                grad_ln_w, grad_ln_b = (grad_ln_w if need_ln_w else None), (grad_ln_b if need_ln_b else None)
+                grad_w_fc = grad_pre.t() @ ln if need_w_fc else None
+            else:
+                grad_x2 = grad_pre @ w_fc if need_x else None
+                grad_w_fc = grad_pre.t() @ x2 if need_w_fc else None
+            grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need_x else None
+        return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj, None, grad_ln_w, grad_ln_b, None
 
 
 def _autocast(*tensors):
@@ -130,12 +158,17 @@ def _autocast(*tensors):
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 
 
-def fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation):
-    """act(x @ w_fc.T + b_fc) @ w_proj.T + b_proj through the Triton kernels; x of shape (..., C)."""
+def fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None, ln_eps=None):
+    """act(x @ w_fc.T + b_fc) @ w_proj.T + b_proj through the Triton kernels; x of shape (..., C).
+
+    With ln_eps given, x is first normalized by LayerNorm(γ = ln_weight, β = ln_bias, eps = ln_eps), folded
+    into the first matmul. γ and β keep their dtype under autocast (LayerNorm runs in fp32 there too)."""
     x, w_fc, b_fc, w_proj, b_proj = _autocast(x, w_fc, b_fc, w_proj, b_proj)
-    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation)
+    if ln_eps is None and (ln_weight is not None or ln_bias is not None):
+        raise ValueError("ln_weight / ln_bias given without ln_eps: pass the LayerNorm's eps to fold it")
+    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias)
     with torch.autocast(x.device.type, enabled=False):
-        return FusedMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation)
+        return FusedMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps)
 
 
 def linear_act(x, weight, bias, activation):
@@ -156,14 +189,22 @@ class FusedMLP(MLP):
     """model.MLP with the forward through the fused kernels: same parameters, same checkpoints.
 
     fallback=True (mlp="auto") runs the eager forward for tensors the kernels cannot take (e.g. on CPU).
+    config.fuse_ln folds the LayerNorm passed as `norm` into the first matmul instead of running it first.
     """
 
     def __init__(self, config, fallback=False):
         super().__init__(config)
-        self.fallback = fallback
+        self.fallback, self.fuse_ln = fallback, config.fuse_ln
 
-    def forward(self, x):
+    def forward(self, x, norm=None):
         if self.fallback and not kernels_can_run(x):
-            return super().forward(x)
-        y = fused_mlp(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias, self.activation)
+            return super().forward(x, norm)
+        ln = {}
+        if norm is not None and self.fuse_ln:
+            if not isinstance(norm, torch.nn.LayerNorm) or tuple(norm.normalized_shape) != (x.shape[-1],):
+                raise ValueError(f"fuse_ln folds an nn.LayerNorm over the last dim ({x.shape[-1]}); got {norm}")
+            ln = dict(ln_weight=norm.weight, ln_bias=norm.bias, ln_eps=norm.eps)
+        elif norm is not None:
+            x = norm(x)
+        y = fused_mlp(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias, self.activation, **ln)
         return self.dropout(y)

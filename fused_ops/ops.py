@@ -3,7 +3,8 @@
 torch.compile cannot look inside a Triton launcher that tunes and caches in Python; registered as custom
 ops with fake (shape-only) implementations, each kernel becomes one opaque node in the graph, and the rest
 of the model is compiled around it without a graph break (tested with fullgraph=True). The autograd
-Functions in mlp.py call these ops.
+Functions in mlp.py call these ops. Optional outputs that are not computed come back as empty tensors
+(a custom op returns a fixed number of tensors).
 """
 
 from typing import Optional
@@ -13,7 +14,8 @@ from torch import Tensor
 
 from .activations import kernel_activations
 from .dgrad import linear_act_dgrad
-from .linear_act import linear_act_forward
+from .layernorm import layernorm_backward
+from .linear_act import linear_act_forward, ln_linear_act_forward
 
 
 @torch.library.custom_op("fused_mlp::linear_act", mutates_args=())
@@ -25,7 +27,7 @@ def linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation:
 
 
 @linear_act_op.register_fake
-def _(x, weight, bias, activation, save_pre):
+def _linear_act_fake(x, weight, bias, activation, save_pre):
     gated = kernel_activations(activation)[2]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     return x.new_empty(x.shape[0], n), x.new_empty(x.shape[0], weight.shape[0]) if save_pre else x.new_empty(0)
@@ -42,3 +44,32 @@ def dgrad_op(grad_y: Tensor, w2: Tensor, pre: Tensor, activation: str, bias_grad
 def _(grad_y, w2, pre, activation, bias_grad):
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
     return pre.new_empty(pre.shape), pre.new_empty(pre.shape[1], dtype=sum_dtype) if bias_grad else grad_y.new_empty(0)
+
+
+@torch.library.custom_op("fused_mlp::ln_linear_act", mutates_args=())
+def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float, weight: Tensor,
+                     bias: Optional[Tensor], activation: str, save_pre: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(act(LayerNorm(x) @ weight.T + bias), pre-activation, row stats (2, M)), the last two empty unless save_pre."""
+    out, pre, stats = ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, save_pre=save_pre)
+    return (out, pre, stats) if save_pre else (out, x.new_empty(0), x.new_empty(0))
+
+
+@ln_linear_act_op.register_fake
+def _(x, ln_weight, ln_bias, eps, weight, bias, activation, save_pre):
+    out, pre = _linear_act_fake(x, weight, bias, activation, save_pre)
+    stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return out, pre, x.new_empty((2, x.shape[0]) if save_pre else (0,), dtype=stats_dtype)
+
+
+@torch.library.custom_op("fused_mlp::layernorm_backward", mutates_args=())
+def layernorm_backward_op(x: Tensor, grad_ln: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor],
+                          stats: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, recomputed LayerNorm output, dγ, dβ); dγ / dβ empty when there is no γ / β."""
+    dx, ln, grad_w, grad_b = layernorm_backward(x, grad_ln, ln_weight, ln_bias, stats)
+    return dx, ln, x.new_empty(0) if grad_w is None else grad_w, x.new_empty(0) if grad_b is None else grad_b
+
+
+@layernorm_backward_op.register_fake
+def _(x, grad_ln, ln_weight, ln_bias, stats):
+    return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(0) if ln_weight is None else ln_weight.new_empty(ln_weight.shape),
+            x.new_empty(0) if ln_bias is None else ln_bias.new_empty(ln_bias.shape))

@@ -22,6 +22,7 @@ from triton.testing import do_bench
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("FUSED_OPS_AUTOTUNE", "1") == "1"
 TRANSPOSE_WEIGHT_MIN_M = 2048  # rows of x from which the forward kernel reads an N-major copy of W
+LAYERNORM_ROWS_PER_PROGRAM = 16  # rows one LayerNorm-backward program walks, summing its share of dγ, dβ
 TUNING_LOG = []  # (kernel name, key, chosen config, seconds spent tuning)
 _best = {}
 
@@ -54,6 +55,11 @@ def matmul_configs(gated=False):
             _config(64, 64, 64, 4, 4),
         ]
     return configs if AUTOTUNE else configs[:1]
+
+
+def row_kernel_warps(block):
+    """Warps for a kernel that holds one row of `block` elements: enough threads to load it in 16-byte pieces."""
+    return 1 if INTERPRET else min(16, max(4, block // 256))
 
 
 def launch_matmul(kernel, M, N, K, args, consts, gated, device, key):

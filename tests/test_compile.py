@@ -1,5 +1,6 @@
 """The fused MLP inside torch.compile: the kernels are custom ops, so a whole GPT compiles as one graph."""
 
+import pytest
 import torch
 
 from model import GPT, GPTConfig
@@ -7,11 +8,12 @@ from model import GPT, GPTConfig
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_fused_gpt_compiles_fullgraph_and_matches_eager():
+@pytest.mark.parametrize("fuse_ln", [False, True])
+def test_fused_gpt_compiles_fullgraph_and_matches_eager(fuse_ln):
     torch.manual_seed(0)
     cfg = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, activation="swiglu")
     eager = GPT(GPTConfig(mlp="eager", **cfg)).to(DEVICE)
-    fused = GPT(GPTConfig(mlp="fused", **cfg)).to(DEVICE)
+    fused = GPT(GPTConfig(mlp="fused", fuse_ln=fuse_ln, **cfg)).to(DEVICE)
     fused.load_state_dict(eager.state_dict())
     idx = torch.randint(0, 50, (2, 16), device=DEVICE)
     # fullgraph=True turns any graph break into an error; aot_eager traces forward and backward graphs

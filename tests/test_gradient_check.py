@@ -23,13 +23,15 @@ def loss_and_grads(model, idx, targets):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("fuse_ln", [False, True], ids=["mlp", "ln+mlp"])
 @pytest.mark.parametrize("activation", list(PLAIN_ACTIVATIONS) + list(GATED_ACTIVATIONS))
-def test_fused_model_matches_eager(activation):
+def test_fused_model_matches_eager(activation, fuse_ln):
+    """fuse_ln=True also folds each block's second LayerNorm into the fused MLP."""
     torch.manual_seed(0)
     cfg = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True,
                activation=activation)
     eager = GPT(GPTConfig(mlp="eager", **cfg)).to(DEVICE)
-    fused = GPT(GPTConfig(mlp="fused", **cfg)).to(DEVICE)
+    fused = GPT(GPTConfig(mlp="fused", fuse_ln=fuse_ln, **cfg)).to(DEVICE)
     fused.load_state_dict(eager.state_dict())  # same names and shapes: a checkpoint moves across
     reference = copy.deepcopy(eager).double()
     idx = torch.randint(0, 50, (3, 16), device=DEVICE)

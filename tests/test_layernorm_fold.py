@@ -1,0 +1,150 @@
+"""The LayerNorm folded into the fused MLP's first matmul (fused_ops/linear_act.py, fused_ops/layernorm.py),
+against float64 references and the same-dtype eager path: LayerNorm, then the linear layers.
+
+Runs on CUDA when there is a GPU, else on CPU through Triton's interpreter (small shapes, no bf16).
+Rows with a large mean and a small spread are where E[x^2] - E[x]^2 fails; every check runs on them too.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fused_ops.layernorm import layernorm_backward
+from fused_ops.linear_act import ln_linear_act_forward
+from fused_ops.mlp import FusedMLPFunction, fused_mlp
+from model import GATED_ACTIVATIONS, GPT, GPTConfig
+from numerics import assert_no_worse_than_eager, eager_act, poisoned, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+EPS = 1e-5
+
+
+def make(shape, dtype, scale=1.0, mean=0.0):
+    return (torch.randn(shape, dtype=torch.float64) * scale + mean).to(DEVICE, dtype)
+
+
+def ln_params(C, dtype, bias=True):
+    return make((C,), dtype, 0.5, 1.0), (make((C,), dtype, 0.5) if bias else None)
+
+
+@pytest.mark.parametrize("act", ["identity", "gelu", "relu2", "swiglu", "sigmoid_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K,N", [(1, 16, 16), (37, 45, 70), (64, 64, 32)])
+@pytest.mark.parametrize("mean", [0.0, 300.0])
+def test_ln_linear_act_forward(act, dtype, M, K, N, mean):
+    rows = (2 if act in GATED_ACTIVATIONS else 1) * N
+    x, w, b = make((M, K), dtype, 1.0, mean), make((rows, K), dtype, K ** -0.5), make((rows,), dtype)
+    g, beta = ln_params(K, dtype)
+    out, pre = poisoned((M, N), dtype, DEVICE), poisoned((M, rows), dtype, DEVICE)
+    _, _, stats = ln_linear_act_forward(x, g, beta, EPS, w, b, act, out=out, pre=pre)
+
+    x64 = x.double()
+    z64 = F.linear(F.layer_norm(x64, (K,), g.double(), beta.double(), EPS), w.double(), b.double())
+    z_eager = F.linear(F.layer_norm(x, (K,), g, beta, EPS), w, b)
+    assert_no_worse_than_eager(pre, z_eager, z64, "pre-activation")
+    assert_no_worse_than_eager(out, eager_act(act, z_eager), eager_act(act, z64), "output")
+    assert (stats[0] - x64.mean(1)).abs().max() <= 1e-6 * x64.abs().max()  # fp32 statistics
+    assert rel_err(stats[1], (x64.var(1, unbiased=False) + EPS).rsqrt()) < 1e-5
+
+
+def test_large_mean_is_where_the_naive_variance_fails():
+    """The test above can fail: in fp32, E[x^2] - E[x]^2 on these rows is far off; our statistics are not."""
+    x = make((64, 64), torch.float32, 1.0, 1000.0)
+    w, g = make((32, 64), torch.float32, 0.125), torch.ones(64, device=DEVICE)
+    _, _, stats = ln_linear_act_forward(x, g, None, EPS, w, None, "identity")
+    var64 = x.double().var(1, unbiased=False)
+    naive = (x * x).mean(1) - x.mean(1) ** 2
+    ours = 1 / stats[1].double() ** 2 - EPS
+    assert rel_err(naive, var64) > 1e-2
+    assert rel_err(ours, var64) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", [True, False])
+def test_layernorm_backward(dtype, affine):
+    M, C = 37, 45
+    x, grad_ln = make((M, C), dtype, 2.0, 5.0), make((M, C), dtype)
+    g, beta = ln_params(C, dtype) if affine else (None, None)
+    x64 = x.double()
+    stats = torch.stack([x64.mean(1), (x64.var(1, unbiased=False) + EPS).rsqrt()]).to(
+        torch.float64 if dtype == torch.float64 else torch.float32)
+    dx, ln, dg, db = layernorm_backward(x, grad_ln, g, beta, stats)
+
+    def grads(xx, gg, bb, grad):
+        leaves = [t.detach().requires_grad_() if t is not None else None for t in (xx, gg, bb)]
+        y = F.layer_norm(leaves[0], (C,), leaves[1], leaves[2], EPS)
+        y.backward(grad)
+        return [y] + [t.grad for t in leaves if t is not None]
+
+    ref = grads(x64, *(t.double() if t is not None else None for t in (g, beta)), grad_ln.double())
+    eager = grads(x, g, beta, grad_ln)
+    for name, ours, e, r in zip(["ln", "dx", "dgamma", "dbeta"], [ln, dx] + ([dg, db] if affine else []), eager, ref):
+        assert ours.dtype == e.dtype, name
+        assert_no_worse_than_eager(ours, e, r, f"{dtype} {name}")
+    assert (dg, db) == (None, None) or affine
+
+
+def _eager_ln_mlp(x, w_fc, b_fc, w_proj, b_proj, g, beta, act):
+    h = eager_act(act, F.linear(F.layer_norm(x, (x.shape[-1],), g, beta, EPS), w_fc, b_fc))
+    return F.linear(h, w_proj, b_proj)
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu2", "swiglu", "sigmoid_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("mean", [0.0, 300.0])
+def test_fused_mlp_with_layernorm_output_and_all_gradients(act, dtype, bias, mean):
+    C, H = 40, 72
+    rows = (2 if act in GATED_ACTIVATIONS else 1) * H
+    g, beta = ln_params(C, dtype, bias)
+    tensors = [make((3, 11, C), dtype, 1.0, mean), make((rows, C), dtype, C ** -0.5), make((rows,), dtype) if bias else None,
+               make((C, H), dtype, H ** -0.5), make((C,), dtype) if bias else None, g, beta]
+    grad_y = make((3, 11, C), dtype)
+
+    def run(fn, ts, gy):
+        leaves = [t.detach().requires_grad_() if t is not None else None for t in ts]
+        y = fn(*leaves)
+        y.backward(gy)
+        return [y] + [t.grad for t in leaves if t is not None]
+
+    fused = run(lambda x, w1, b1, w2, b2, gg, bb: fused_mlp(x, w1, b1, w2, b2, act, gg, bb, EPS), tensors, grad_y)
+    eager = run(lambda *t: _eager_ln_mlp(*t, act), tensors, grad_y)
+    ref = run(lambda *t: _eager_ln_mlp(*t, act), [t.double() if t is not None else None for t in tensors], grad_y.double())
+    names = ["y", "grad_x", "grad_w_fc"] + (["grad_b_fc"] if bias else []) + ["grad_w_proj"] + \
+        (["grad_b_proj"] if bias else []) + ["grad_ln_weight"] + (["grad_ln_bias"] if bias else [])
+    assert len(fused) == len(names)
+    for name, f, e, r in zip(names, fused, eager, ref):
+        assert f.shape == r.shape and f.dtype == e.dtype, name
+        assert_no_worse_than_eager(f, e, r, f"{act} {dtype} mean {mean} {name}")
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="float64 kernels run only under the CPU interpreter (CI runs this)")
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_gradcheck_float64(act):
+    rows = 14 if act in GATED_ACTIVATIONS else 7
+    ts = [make((5, 6), torch.float64, 1.0, 3.0), make((rows, 6), torch.float64, 0.4), make((rows,), torch.float64),
+          make((6, 7), torch.float64, 0.4), make((6,), torch.float64), *ln_params(6, torch.float64)]
+    ts = [t.requires_grad_() for t in ts]
+    fn = lambda x, w1, b1, w2, b2, g, b: FusedMLPFunction.apply(x, w1, b1, w2, b2, act, g, b, EPS)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, ts, eps=1e-6, atol=1e-6)
+
+
+def test_bad_layernorm_arguments_are_named():
+    x, w_fc, w_proj = make((4, 8), torch.float32), make((32, 8), torch.float32), make((8, 32), torch.float32)
+    with pytest.raises(ValueError, match="ln_weight must have shape"):
+        fused_mlp(x, w_fc, None, w_proj, None, "gelu", make((9,), torch.float32), None, EPS)
+    with pytest.raises(TypeError, match="ln_bias must be a floating tensor"):
+        fused_mlp(x, w_fc, None, w_proj, None, "gelu", None, torch.zeros(8, dtype=torch.long, device=DEVICE), EPS)
+    with pytest.raises(ValueError, match="without ln_eps"):
+        fused_mlp(x, w_fc, None, w_proj, None, "gelu", make((8,), torch.float32))
+    with pytest.raises(ValueError, match="'fuse_ln'.*mlp='eager'"):
+        GPTConfig(mlp="eager", fuse_ln=True)
+
+
+def test_fuse_ln_checkpoints_load_either_way():
+    cfg = dict(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16)
+    folded = GPT(GPTConfig(mlp="fused", fuse_ln=True, **cfg))
+    plain = GPT(GPTConfig(mlp="eager", **cfg))
+    assert folded.state_dict().keys() == plain.state_dict().keys()
+    plain.load_state_dict(folded.state_dict())
