@@ -5,12 +5,19 @@ End-to-end training throughput: mlp="eager" vs mlp="fused", each with and withou
     python bench.py configs/gpt2_124m.py --activation=swiglu --steps=30
     python bench.py configs/shakespeare_char_cpu.py --device=cpu --mlps=eager --compile=False --steps=3
     (on CPU the fused kernels run only under the interpreter: TRITON_INTERPRET=1, slow)
+    python bench.py --mlp_widths=768,1024,2048,4096             # GPU: the MLP alone, gelu and swiglu
+    TRITON_INTERPRET=1 python bench.py --mlp_widths=32,64 --mlp_tokens=32,32 --device=cpu --compile=False
 
 Each variant starts from the same weights and sees the same batches (random token ids), so the losses of
 the first steps must agree across variants; they are printed next to the timings. A step is forward,
 backward and the AdamW update over gradient_accumulation_steps micro-batches. Reported: median ms/step
 after warm-up, tokens/s, MFU against the GPU's peak bf16 rate, peak GPU memory. Writes JSON, CSV and a
 PNG bar chart to --out (default results/bench_<config>.*).
+
+--mlp_widths times the MLP alone instead, with bench_mlp.py's functions: for each width C and activation,
+eager, fused and torch.compile (of eager), forward and forward+backward ms and % of the matmul floor (the
+MLP's matmul FLOPs at the bf16 matmul peak measured in the same run; 100% = at the floor). Tokens M per
+width: 12288 for 768, 16384 for 1024, 8192 above (--mlp_tokens to change). Default out: results/bench_mlp_widths.*
 """
 
 import argparse
@@ -23,8 +30,10 @@ import statistics
 import time
 
 import torch
+import triton
 from tqdm import tqdm
 
+import bench_mlp
 from model import GPT, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")
@@ -32,7 +41,7 @@ MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", help="a config file from configs/ (model size, batch size)")
+    ap.add_argument("config", nargs="?", help="a config file from configs/ (model size, batch size)")
     ap.add_argument("--batch_size", type=int)
     ap.add_argument("--block_size", type=int)
     ap.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
@@ -45,7 +54,17 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None, help="output path without extension")
-    return ap.parse_args(argv)
+    ap.add_argument("--mlp_widths", default=None, help="time the MLP alone at these widths C, e.g. 768,1024,2048,4096")
+    ap.add_argument("--mlp_tokens", default=None, help="tokens M per width (default: bench_mlp.DEFAULT_TOKENS)")
+    ap.add_argument("--mlp_activations", default="gelu,swiglu")
+    args = ap.parse_args(argv)
+    if not args.config and not args.mlp_widths:
+        ap.error("give a config file, or --mlp_widths")
+    return args
+
+
+def pick_dtype(args):
+    return getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
 
 
 def load_config(args):
@@ -95,8 +114,10 @@ def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.mlp_widths:
+        return mlp_widths(args)
     model_args, batch_size = load_config(args)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    dtype = pick_dtype(args)
     T, V = model_args.get("block_size", 1024), model_args["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     # A few distinct step inputs (random ids: real-valued work, never zeros), cycled through.
@@ -111,16 +132,10 @@ def main(argv=None):
 
     name = os.path.splitext(os.path.basename(args.config))[0] + (f"_{args.activation}" if args.activation else "")
     out = args.out or os.path.join("results", f"bench_{name}")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     env = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype),
            "model": model_args, "batch_size": batch_size, "grad_accum": args.grad_accum, "steps": args.steps}
-    with open(out + ".json", "w") as f:
-        json.dump({"env": env, "rows": rows}, f, indent=1)
-    with open(out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write(rows, env, out)
     plot(rows, out + ".png", f"{name} on {env['device']}")
 
     base = next((r for r in rows if r["mlp"] == "eager" and not r["compile"]), rows[0])
@@ -146,6 +161,82 @@ def plot(rows, path, title):
     ax.bar(labels, [r["tokens_per_s"] for r in rows], color=["#888" if r["mlp"] == "eager" else "#d62" for r in rows])
     ax.set_ylabel("tokens / s")
     ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def mlp_widths(args):
+    """The MLP alone across widths and activations: one row per (C, activation, path), measured by bench_mlp."""
+    dtype = pick_dtype(args)
+    widths = [int(c) for c in args.mlp_widths.split(",")]
+    tokens = ([int(m) for m in args.mlp_tokens.split(",")] if args.mlp_tokens
+              else [bench_mlp.DEFAULT_TOKENS.get(C, 8192) for C in widths])
+    compiled = "True" in args.compile.split(",")
+    paths = ["eager", "fused"] + (["compile"] if compiled else [])
+    torch.manual_seed(0)
+    tflops, gbps = bench_mlp.measure_peaks(args.device, dtype)
+    cases = [(C, M, act) for C, M in zip(widths, tokens, strict=True) for act in args.mlp_activations.split(",")]
+    first_call_s, rows = {}, []
+    for C, M, act in tqdm(cases, desc="MLP widths"):
+        r = bench_mlp.mlp_case(C, M, act, first_call_s, tflops, args.device, dtype, compile=compiled, kernels=False)
+        for p in paths:
+            rows.append({"C": C, "M": M, "H": r["H"], "activation": act, "path": p,
+                         "fwd_ms": r[f"{p}_fwd_ms"], "fwdbwd_ms": r[f"{p}_fwdbwd_ms"],
+                         "fwd_pct_floor": 100 * r["floor_fwd_ms"] / r[f"{p}_fwd_ms"],
+                         "fwdbwd_pct_floor": 100 * r["floor_fwdbwd_ms"] / r[f"{p}_fwdbwd_ms"],
+                         "floor_fwd_ms": r["floor_fwd_ms"], "floor_fwdbwd_ms": r["floor_fwdbwd_ms"],
+                         # the case's check (fused vs float64, vs eager's error), the same on each of its rows
+                         "correct": r["correct"], "fwd_fused_vs_eager": r["fwd_fused_vs_eager"]})
+
+    out = args.out or os.path.join("results", "bench_mlp_widths")
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    env = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype), "matmul_tflops": tflops, "copy_gbps": gbps,
+           "first_call_seconds": first_call_s}
+    write(rows, env, out)
+    plot_widths(rows, out + ".png", f"MLP alone on {device}, {dtype}")
+
+    print(f"\n{device}  torch {env['torch']}  triton {env['triton']}  {dtype}  matmul peak {tflops:.1f} TFLOP/s")
+    print(f"{'case':<24}{'path':<9}{'fwd ms':>9}{'floor%':>7}{'fwd+bwd ms':>11}{'floor%':>7}  correct")
+    for r in rows:
+        print(f"{r['activation'] + ' C=' + str(r['C']) + ' M=' + str(r['M']):<24}{r['path']:<9}{r['fwd_ms']:9.3f}"
+              f"{r['fwd_pct_floor']:6.0f}%{r['fwdbwd_ms']:11.3f}{r['fwdbwd_pct_floor']:6.0f}%  {r['correct']}")
+    return rows
+
+
+def write(rows, env, out):
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    with open(out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot_widths(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["activation"], r["C"]) for r in rows))
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    colors = {"eager": "#888", "compile": "#48c", "fused": "#d62"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    for ax, key, what in zip(axes, ("fwd_pct_floor", "fwdbwd_pct_floor"), ("forward", "forward + backward")):
+        width = 0.8 / len(paths)
+        for i, p in enumerate(paths):
+            vals = {(r["activation"], r["C"]): r[key] for r in rows if r["path"] == p}
+            ax.bar([j + i * width for j in range(len(cases))], [vals[c] for c in cases], width, label=p,
+                   color=colors.get(p))
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"{a}\nC={C}" for a, C in cases], fontsize=8)
+        ax.axhline(100, color="k", lw=0.8, ls="--")  # the matmul floor
+        ax.set_title(what, fontsize=9)
+    axes[0].set_ylabel("% of the matmul floor (100 = at the floor)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -6,10 +6,12 @@
 Every number is a median of triton.testing.do_bench on random data, all measured in one run. The floor
 is the MLP's matmul FLOPs at the matmul peak measured in the same run (an 8192^3 bf16 product).
 Each fused result is first checked against a float64 reference (the 2x eager-error rule).
+bench.py --mlp_widths runs the same measurement (these functions) across widths, with a table, CSV and PNG.
 """
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -19,37 +21,55 @@ from triton.testing import do_bench
 from fused_ops import linear_act_dgrad, linear_act_forward
 from fused_ops.tuning import TUNING_LOG
 from model import MLP, GPTConfig
-from tests.numerics import rel_err
+from tests.numerics import EPS, rel_err
 
 DTYPE = torch.bfloat16
+DEFAULT_TOKENS = {768: 12288, 1024: 16384, 2048: 8192, 4096: 8192}  # M per width C (others: 8192)
 
 
-def bench(fn, **kw):
-    return do_bench(fn, warmup=50, rep=200, return_mode="median", **kw)
+def bench(fn, device="cuda", **kw):
+    if device.startswith("cuda"):
+        return do_bench(fn, warmup=50, rep=200, return_mode="median", **kw)
+    # CPU (tests; the kernels under TRITON_INTERPRET): do_bench needs a GPU driver, and a few wall-clock
+    # runs exercise the same code. The numbers mean little there.
+    times = []
+    for _ in range(4):
+        for t in kw.get("grad_to_none") or []:
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[1:])
 
 
-def measure_peaks():
-    n = 8192
-    a, b = torch.randn(n, n, device="cuda", dtype=DTYPE), torch.randn(n, n, device="cuda", dtype=DTYPE)
-    tflops = 2 * n ** 3 / bench(lambda: a @ b) / 1e9
-    src = torch.randn(2 ** 28, device="cuda", dtype=DTYPE)  # 512 MiB, far past L2
+def measure_peaks(device="cuda", dtype=DTYPE):
+    """Matmul TFLOP/s and copy GB/s on this device: the floor is computed against what it really reaches."""
+    n, numel = (8192, 2 ** 28) if device.startswith("cuda") else (256, 2 ** 20)  # on GPU: 512 MiB, far past L2
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    tflops = 2 * n ** 3 / bench(lambda: a @ b, device) / 1e9
+    src = torch.randn(numel, device=device, dtype=dtype)
     dst = torch.empty_like(src)
-    gbps = 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src)) / 1e6
+    gbps = 2 * src.numel() * src.element_size() / bench(lambda: dst.copy_(src), device) / 1e6
     return tflops, gbps
 
 
-def mlp_case(C, M, activation, compile_times):
+def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=DTYPE, compile=True, kernels=True):
+    """One MLP shape: correctness vs float64, then fwd and fwd+bwd ms of eager, torch.compile (if compile)
+    and fused, the floor at peak_tflops, and (if kernels) each kernel against the same-shape cuBLAS matmul."""
     cfg = GPTConfig(n_embd=C, n_head=1, activation=activation, bias=True)
     H, gated = cfg.mlp_hidden, cfg.gated
-    mlp = MLP(cfg).cuda().to(DTYPE)
+    mlp = MLP(cfg).to(device, dtype)
     w1, b1, w2 = mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight
-    x = torch.randn(M, C, device="cuda", dtype=DTYPE, requires_grad=True)
-    dy = torch.randn(M, C, device="cuda", dtype=DTYPE)
+    x = torch.randn(M, C, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(M, C, device=device, dtype=dtype)
     from fused_ops import FusedMLP
 
-    fused = FusedMLP(cfg).cuda().to(DTYPE)
+    fused = FusedMLP(cfg).to(device, dtype)
     fused.load_state_dict(mlp.state_dict())
-    compiled = torch.compile(mlp)
+    # A fresh compile per shape: every case shares MLP.forward, and after a few cases Dynamo would switch
+    # to dynamic shapes, then past its recompile limit silently run eager.
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp) if compile else None
 
     # Correctness at this shape first: forward and every gradient against float64.
     t0 = time.perf_counter()
@@ -60,9 +80,10 @@ def mlp_case(C, M, activation, compile_times):
         y = m(x)
         y.backward(dy)
         outs[name] = [y.detach()] + [x.grad] + [p.grad for p in m.parameters()]
-    torch.cuda.synchronize()
+    if x.is_cuda:
+        torch.cuda.synchronize()
     compile_times[f"{activation} C={C} first call (autotune + compile)"] = time.perf_counter() - t0
-    ref_mlp = MLP(cfg).cuda().double()
+    ref_mlp = MLP(cfg).to(device).double()
     ref_mlp.load_state_dict(mlp.state_dict())
     xr = x.detach().double().requires_grad_()
     yr = ref_mlp(xr)
@@ -70,39 +91,42 @@ def mlp_case(C, M, activation, compile_times):
     ref = [yr] + [xr.grad] + [p.grad for p in ref_mlp.parameters()]
     errors = {"fused": [rel_err(o, r) for o, r in zip(outs["fused"], ref)],
               "eager": [rel_err(o, r) for o, r in zip(outs["eager"], ref)]}
-    ok = all(f <= 2 * e + 1e-3 for f, e in zip(errors["fused"], errors["eager"]))
+    ok = all(f <= 2 * e + EPS[dtype] for f, e in zip(errors["fused"], errors["eager"]))
 
     params = list(mlp.parameters()) + list(fused.parameters()) + [x]
     n_rows = 2 * H if gated else H
     flops_fwd = 2 * M * C * n_rows + 2 * M * H * C
     row = {"C": C, "M": M, "H": H, "activation": activation, "correct": ok,
-           "max_rel_err_fused": max(errors["fused"]), "max_rel_err_eager": max(errors["eager"])}
+           "max_rel_err_fused": max(errors["fused"]), "max_rel_err_eager": max(errors["eager"]),
+           "fwd_fused_vs_eager": rel_err(outs["fused"][0], outs["eager"][0])}
+    row["floor_fwd_ms"] = flops_fwd / peak_tflops / 1e9
+    row["floor_fwdbwd_ms"] = 3 * flops_fwd / peak_tflops / 1e9  # backward: two matmuls per forward one
 
     def fwd_bwd(m):
         def run():
             m(x).backward(dy)
         return run
 
-    with torch.no_grad():
-        row["eager_fwd_ms"] = bench(lambda: mlp(x))
-        row["compile_fwd_ms"] = bench(lambda: compiled(x))
-        row["fused_fwd_ms"] = bench(lambda: fused(x))
-    row["eager_fwdbwd_ms"] = bench(fwd_bwd(mlp), grad_to_none=params)
-    row["compile_fwdbwd_ms"] = bench(fwd_bwd(compiled), grad_to_none=params)
-    row["fused_fwdbwd_ms"] = bench(fwd_bwd(fused), grad_to_none=params)
+    paths = {"eager": mlp, "compile": compiled, "fused": fused}
+    for name, m in paths.items():
+        if m is not None:
+            with torch.no_grad():
+                row[f"{name}_fwd_ms"] = bench(lambda: m(x), device)
+            row[f"{name}_fwdbwd_ms"] = bench(fwd_bwd(m), device, grad_to_none=params)
+    if not kernels:
+        return row
 
     # The two kernels against the plain cuBLAS matmul of the same shape.
     xd = x.detach()
-    pre = torch.empty(M, n_rows, device="cuda", dtype=DTYPE)
-    out = torch.empty(M, H, device="cuda", dtype=DTYPE)
-    row["matmul_fc_ms"] = bench(lambda: xd @ w1.t())
-    row["kernel_fwd_save_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, out=out, pre=pre))
-    row["kernel_fwd_nosave_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, save_pre=False, out=out))
+    pre = torch.empty(M, n_rows, device=device, dtype=dtype)
+    out = torch.empty(M, H, device=device, dtype=dtype)
+    row["matmul_fc_ms"] = bench(lambda: xd @ w1.t(), device)
+    row["kernel_fwd_save_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, out=out, pre=pre), device)
+    row["kernel_fwd_nosave_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, save_pre=False, out=out),
+                                        device)
     gp = torch.empty_like(pre)
-    row["matmul_dgrad_ms"] = bench(lambda: dy @ w2)
-    row["kernel_dgrad_ms"] = bench(lambda: linear_act_dgrad(dy, w2, pre, activation, out=gp))
-    row["floor_fwd_ms"] = flops_fwd / PEAK_TFLOPS / 1e9
-    row["floor_fwdbwd_ms"] = 3 * flops_fwd / PEAK_TFLOPS / 1e9
+    row["matmul_dgrad_ms"] = bench(lambda: dy @ w2, device)
+    row["kernel_dgrad_ms"] = bench(lambda: linear_act_dgrad(dy, w2, pre, activation, out=gp), device)
     return row
 
 
@@ -114,8 +138,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="results/mlp.json")
     args = ap.parse_args()
     widths = [int(c) for c in args.widths.split(",")]
-    default_m = {768: 12288, 1024: 16384, 2048: 8192, 4096: 8192}
-    tokens = [int(m) for m in args.tokens.split(",")] if args.tokens else [default_m.get(c, 8192) for c in widths]
+    tokens = [int(m) for m in args.tokens.split(",")] if args.tokens else [DEFAULT_TOKENS.get(c, 8192) for c in widths]
 
     torch.manual_seed(0)
     PEAK_TFLOPS, BANDWIDTH = measure_peaks()
@@ -123,7 +146,7 @@ if __name__ == "__main__":
     compile_times, rows = {}, []
     for C, M in zip(widths, tokens):
         for act in args.activations.split(","):
-            rows.append(mlp_case(C, M, act, compile_times))
+            rows.append(mlp_case(C, M, act, compile_times, PEAK_TFLOPS))
             print(f"done C={C} {act}", flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d"), "matmul_tflops": PEAK_TFLOPS, "copy_gbps": BANDWIDTH,

@@ -22,3 +22,20 @@ def test_bench_runs_and_paths_agree(tmp_path):
     with open(out + ".json") as f:
         saved = json.load(f)
     assert saved["env"]["model"]["n_embd"] == 32 and len(saved["rows"]) == 2
+
+
+def test_bench_mlp_widths(tmp_path):
+    """--mlp_widths on CPU at tiny sizes: a row per width, activation and path; fused forward equals eager's."""
+    out = str(tmp_path / "widths")
+    rows = bench.main(["--mlp_widths=32,64", "--mlp_tokens=32,32", "--device=cpu", "--compile=False", f"--out={out}"])
+    assert {(r["C"], r["activation"], r["path"]) for r in rows} == \
+        {(C, a, p) for C in (32, 64) for a in ("gelu", "swiglu") for p in ("eager", "fused")}
+    for r in rows:
+        assert r["correct"] and r["fwd_fused_vs_eager"] < 1e-5  # float32 on CPU
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["fwd_pct_floor"] > 0 and r["fwdbwd_pct_floor"] > 0
+    assert {r["H"] for r in rows if r["C"] == 64} == {256, 192}  # 4C for gelu; 8/3 C rounded up to 64 for swiglu
+    for ext in (".json", ".csv", ".png"):
+        assert os.path.getsize(out + ext) > 0
+    with open(out + ".json") as f:
+        saved = json.load(f)
+    assert len(saved["rows"]) == 8 and saved["env"]["matmul_tflops"] > 0
