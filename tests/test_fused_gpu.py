@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fused_ops import linear_act_dgrad, linear_act_forward
+from fused_ops.linear_act import ln_linear_act_forward
 from fused_ops.mlp import fused_mlp
 from model import GATED_ACTIVATIONS, GPT, GPTConfig
 from numerics import assert_no_worse_than_eager, check_dgrad, check_linear_act, poisoned
@@ -34,12 +35,33 @@ def test_forward_and_dgrad_large_and_odd(dtype, act, M, K, N):
     check_dgrad(grad_pre, grad_b, grad_y, w2, pre, act)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+@pytest.mark.parametrize("M,K,N", [(4096, 768, 3072), (1000, 777, 1531)])
+@pytest.mark.parametrize("mean", [0.0, 50.0])
+def test_layernorm_fold_forward_large_and_odd(dtype, act, M, K, N, mean):
+    rows = (2 if act in GATED_ACTIVATIONS else 1) * N
+    x = (torch.randn(M, K, device="cuda") + mean).to(dtype)
+    w = (torch.randn(rows, K, device="cuda") * K ** -0.5).to(dtype)
+    b, g, beta = (torch.randn(n, device="cuda", dtype=dtype) for n in (rows, K, K))
+    out, pre = poisoned((M, N), dtype, "cuda"), poisoned((M, rows), dtype, "cuda")
+    ln_linear_act_forward(x, g, beta, 1e-5, w, b, act, out=out, pre=pre)
+    # The reference: LayerNorm in float64, then the same check as the unfolded kernel (same-dtype eager
+    # error measured on the normalized input).
+    z64 = torch.nn.functional.layer_norm(x.double(), (K,), g.double(), beta.double(), 1e-5)
+    z_eager = torch.nn.functional.layer_norm(x, (K,), g, beta, 1e-5)
+    ref = torch.addmm(b.double(), z64, w.double().t())
+    eager = torch.addmm(b, z_eager, w.t())
+    assert_no_worse_than_eager(pre, eager, ref, "pre-activation")
+
+
+@pytest.mark.parametrize("fuse_ln", [False, True])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "sigmoid_tanh"])
-def test_gpt_under_bf16_autocast(activation):
+def test_gpt_under_bf16_autocast(activation, fuse_ln):
     torch.manual_seed(0)
     cfg = dict(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=256, activation=activation)
     eager = GPT(GPTConfig(mlp="eager", **cfg)).cuda()
-    fused = GPT(GPTConfig(mlp="fused", **cfg)).cuda()
+    fused = GPT(GPTConfig(mlp="fused", fuse_ln=fuse_ln, **cfg)).cuda()
     fused.load_state_dict(eager.state_dict())
     reference = GPT(GPTConfig(mlp="eager", **cfg)).cuda().double()
     reference.load_state_dict(eager.state_dict())
