@@ -1,5 +1,6 @@
 """Probe: does a TMA (tensor-descriptor) main loop, optionally persistent, close the gap to cuBLAS for
-the fused forward (bias + GELU + save pre) and dgrad (x GELU'(pre)) at the GPT-2 MLP shape?
+the fused forward (bias + GELU + save pre) and dgrad (x GELU'(pre)) at the GPT-2 MLP shape? Sweeps tile
+configs, persistence, epilogue subtiling, warp specialization and two programs per SM (maxnreg).
 
     python tools/tma_probe.py          (results: notes/perf.md)
 """
@@ -102,45 +103,48 @@ def main():
     for epi_mode, name in ((0, "bare"), (1, "fwd gelu+save"), (2, "dgrad gelu")):
         for persistent in (False, True):
             for bm, bn, bk, warps, stages, maxnreg, per_sm in configs:
-                label = f"{bm}x{bn}x{bk} w{warps} s{stages} r{maxnreg}" + (f" P{per_sm}" if persistent else "")
-                if epi_mode == 2:
-                    a_d = TensorDescriptor.from_tensor(gy, [bm, bk])
-                    b_d = TensorDescriptor.from_tensor(w2, [bk, bn])
-                    kmajor, pre = False, pre_ref
-                else:
-                    a_d = TensorDescriptor.from_tensor(x, [bm, bk])
-                    b_d = TensorDescriptor.from_tensor(w, [bn, bk])
-                    kmajor, pre = True, torch.empty(M, H, device=dev, dtype=dt)
-                out = torch.full((M, H), float("nan"), device=dev, dtype=dt)
-                pre_d = TensorDescriptor.from_tensor(pre, [bm, bn])
-                out_d = TensorDescriptor.from_tensor(out, [bm, bn])
-                tiles = triton.cdiv(M, bm) * triton.cdiv(H, bn)
-                progs = min(per_sm * sms, tiles)
-                grid = (progs,) if persistent else (tiles,)
-                extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+                for subtile, ws in ((False, False), (True, False)) + (((False, True), (True, True)) if persistent else ()):
+                    label = f"{bm}x{bn}x{bk} w{warps} s{stages} r{maxnreg}" + (f" P{per_sm}" if persistent else "") + \
+                        (" sub" if subtile else "") + (" WS" if ws else "")
+                    if epi_mode == 2:
+                        a_d = TensorDescriptor.from_tensor(gy, [bm, bk])
+                        b_d = TensorDescriptor.from_tensor(w2, [bk, bn])
+                        kmajor, pre = False, pre_ref
+                    else:
+                        a_d = TensorDescriptor.from_tensor(x, [bm, bk])
+                        b_d = TensorDescriptor.from_tensor(w, [bn, bk])
+                        kmajor, pre = True, torch.empty(M, H, device=dev, dtype=dt)
+                    out = torch.full((M, H), float("nan"), device=dev, dtype=dt)
+                    ebn = bn // 2 if subtile else bn  # the epilogue's store block
+                    pre_d = TensorDescriptor.from_tensor(pre, [bm, ebn])
+                    out_d = TensorDescriptor.from_tensor(out, [bm, ebn])
+                    tiles = triton.cdiv(M, bm) * triton.cdiv(H, bn)
+                    progs = min(per_sm * sms, tiles)
+                    grid = (progs,) if persistent else (tiles,)
+                    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
 
-                def run():
-                    return probe_kernel[grid](a_d, b_d, b, pre_d, out_d, M, H, C, EPI=epi_mode, B_KMAJOR=kmajor,
-                                       PERSISTENT=persistent, NUM_PROGS=progs, SUBTILE=False, WS=False,
-                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                                       num_warps=warps, num_stages=stages, **extra)
-                try:
-                    ck = run()
-                    torch.cuda.synchronize()
-                    info = f"regs={getattr(ck, 'n_regs', '?')} spills={getattr(ck, 'n_spills', '?')} smem={getattr(ck.metadata, 'shared', '?')}"
-                    ok = True
-                    if epi_mode == 1:
-                        ok = torch.allclose(out.float(), ref_out[1], atol=0.05, rtol=0.02)
-                    elif epi_mode == 2:
-                        g = ref_out[2] * (0.5 * (1 + torch.erf(pre_ref.float() / 2 ** 0.5)) +
-                                          pre_ref.float() * torch.exp(-0.5 * pre_ref.float() ** 2) / (2 * torch.pi) ** 0.5)
-                        ok = torch.allclose(out.float(), g, atol=0.1, rtol=0.05)
-                    t = do_bench(run, warmup=25, rep=200)
-                except Exception as e:  # noqa: BLE001
-                    print(f"{name} {label}: FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    continue
-                rows.append((f"TMA {name}", label, t, ok))
-                print(f"{name:14s} {label:36s} {t * 1e3:7.1f} us ok={ok} {info}", flush=True)
+                    def run():
+                        return probe_kernel[grid](a_d, b_d, b, pre_d, out_d, M, H, C, EPI=epi_mode, B_KMAJOR=kmajor,
+                                           PERSISTENT=persistent, NUM_PROGS=progs, SUBTILE=subtile, WS=ws,
+                                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                           num_warps=warps, num_stages=stages, **extra)
+                    try:
+                        ck = run()
+                        torch.cuda.synchronize()
+                        info = f"regs={getattr(ck, 'n_regs', '?')} spills={getattr(ck, 'n_spills', '?')} smem={getattr(ck.metadata, 'shared', '?')}"
+                        ok = True
+                        if epi_mode == 1:
+                            ok = torch.allclose(out.float(), ref_out[1], atol=0.05, rtol=0.02)
+                        elif epi_mode == 2:
+                            g = ref_out[2] * (0.5 * (1 + torch.erf(pre_ref.float() / 2 ** 0.5)) +
+                                              pre_ref.float() * torch.exp(-0.5 * pre_ref.float() ** 2) / (2 * torch.pi) ** 0.5)
+                            ok = torch.allclose(out.float(), g, atol=0.1, rtol=0.05)
+                        t = do_bench(run, warmup=25, rep=200)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{name} {label}: FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        continue
+                    rows.append((f"TMA {name}", label, t, ok))
+                    print(f"{name:14s} {label:36s} {t * 1e3:7.1f} us ok={ok} {info}", flush=True)
 
     print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"{'variant':24s} {'config':32s} {'us':>7s} {'x cuBLAS':>9s} ok")
