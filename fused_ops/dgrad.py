@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .activations import activation, activation_grad, kernel_activations
-from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, tile_ids
+from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, tile_ids, tma_operands
 from .tuning import launch_matmul, matmul_configs
 
 
@@ -24,7 +24,7 @@ def dgrad_kernel(
     stride_gm, stride_gk, stride_wk, stride_wn, stride_pm, stride_om, stride_dbm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
     BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    EVEN_K: tl.constexpr, INT64: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # grad_h (M, N) = grad_y (M, K) @ W2 (K, N); here K is the model width and N the hidden size.
@@ -40,8 +40,9 @@ def dgrad_kernel(
     z = tl.load(pre_ptrs, mask=mask, other=0.0)
     if GATED:
         z_up = tl.load(pre_ptrs + N, mask=mask, other=0.0)
-    grad_h = matmul_loop(g_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_gm, stride_gk, stride_wk, stride_wn,
-                         0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64, BLOCK_M, BLOCK_N, BLOCK_K)[0]
+    grad_h = matmul_loop(g_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_gm, stride_gk,
+                         stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64,
+                         BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR)[0]
 
     # Epilogue: multiply by the activation derivative at the saved pre-activation.
     z = z.to(ACC_DTYPE)
@@ -86,10 +87,13 @@ def linear_act_dgrad(grad_y, w2, pre, activation, bias_grad=True, out=None):
         if bias_grad else out
     args = (grad_y, w2, pre, out, partial, M, N, K, grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1),
             pre.stride(0), out.stride(0), partial.stride(0))
+    descriptors, b_kmajor = tma_operands(grad_y, w2)
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, BIAS_GRAD=bias_grad,
-                  ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(grad_y, w2, pre, out))
+                  ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(grad_y, w2, pre, out),
+                  TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("dgrad", N, K, grad_y.dtype, w2.stride(), grad_y.device, *consts.values())
-    cfg = launch_matmul(dgrad_kernel, M, N, K, args, consts, False, grad_y.device, key)
+    cfg = launch_matmul(dgrad_kernel, M, N, K, args, consts, False, grad_y.device, key,
+                        descriptors=descriptors)
     if not bias_grad:
         return out, None
     return out, partial[: triton.cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0)

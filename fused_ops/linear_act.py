@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .activations import activation, kernel_activations
-from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, tile_ids
+from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, tile_ids, tma_operands
 from .tuning import TRANSPOSE_WEIGHT_MIN_M, launch_matmul
 
 
@@ -29,6 +29,7 @@ def linear_act_kernel(
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, LN_FOLD: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -36,8 +37,9 @@ def linear_act_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # B = W.T: step along K with W's column stride, along N with its row stride. The up half starts N rows down.
     z, z_up, shift, mean, m2 = matmul_loop(
-        x_ptr, w_ptr, offs_m, offs_n, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, N * stride_wn,
-        ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K, ROW_STATS=LN_FOLD)
+        x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+        N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
+        ROW_STATS=LN_FOLD, TMA=TMA, B_KMAJOR=B_KMAJOR)
 
     # Epilogue, on the tile in registers.
     n_mask = offs_n < N
@@ -122,9 +124,13 @@ def _launch(x, weight, bias, activation, save_pre, out, pre, ln=None):
     args = (x, weight, bias if bias is not None else weight, out, pre if save_pre else out,
             colsum if ln is not None else weight, stats if stats is not None else out, eps, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), pre.stride(0) if save_pre else 0)
+    # The TMA loop reads x and W.T through descriptors (the LayerNorm fold shifts x's rows in registers,
+    # so it keeps the pointer loop).
+    descriptors, b_kmajor = tma_operands(x, weight.t()) if ln is None else ([], False)
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, SAVE_PRE=save_pre,
                   LN_FOLD=ln is not None, ACC_DTYPE=acc_dtype, PRECISION=precision,
-                  INT64=needs_int64(x, weight, out, pre))
+                  INT64=needs_int64(x, weight, out, pre), TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("linear_act", N, K, x.dtype, weight.stride(), x.device, *consts.values())
-    launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, x.device, key)
+    launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, x.device, key,
+                  descriptors=descriptors)
     return out, (pre if save_pre else None), stats

@@ -4,8 +4,11 @@ Each kernel calls `matmul_loop` for its output tile, then applies its own epilog
 activation derivative, ...) while the accumulator is still in registers.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+from .tuning import INTERPRET, TMA_MODE, TensorDescriptor
 
 
 @triton.jit
@@ -24,14 +27,25 @@ def tile_ids(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
-def matmul_loop(a_ptr, b_ptr, offs_m, offs_n, M, N, K,
+def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, b2_offset,
                 ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TWO_B: tl.constexpr,
                 INT64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                ROW_STATS: tl.constexpr = False):
-    """acc = A[offs_m, :] @ B[:, offs_n] over the whole K, for A (M, K) and B (K, N) given by strides.
+                ROW_STATS: tl.constexpr = False, TMA: tl.constexpr = False, B_KMAJOR: tl.constexpr = False):
+    """acc = A[off_m:off_m+BLOCK_M, :] @ B[:, off_n:off_n+BLOCK_N] over the whole K, for A (M, K) and B (K, N).
 
-    With TWO_B, a second accumulator gets A @ B2 where B2 starts b2_offset elements after B: the gated
+    Two ways to read the operands, chosen at compile time:
+    - pointers (the default): a_ptr / b_ptr with element strides, tiles loaded with masks. Takes any
+      strides and dtype, and runs everywhere.
+    - TMA (Hopper's tensor-memory accelerator): a_ptr / b_ptr are tensor descriptors (see tma_operands);
+      the copy engine moves whole tiles into shared memory, fills out-of-bounds rows and K columns with
+      zeros, and leaves the warps free to issue MMAs. B is described by a (K, N) descriptor, or with
+      B_KMAJOR by the (N, K) matrix it is the transpose of (a row-major weight); strides are unused.
+      On an H100 this main loop runs at 1.14x cuBLAS against 1.4-1.5x for the pointer loop
+      (tools/overlap_probe.py, notes/perf.md).
+
+    With TWO_B, a second accumulator gets A @ B2 where B2 starts b2_offset elements after B (with TMA:
+    b2_offset columns of B further along N, i.e. rows of a K-major weight): the gated
     (GLU) kernels use it for the gate and up halves of one weight, reading each A tile once for both.
     Rows past M and columns past N are masked (not wrapped with a modulo, which would hide from the
     compiler that offs_n is contiguous and scalarize loads of a row-major B). The K tail is masked only
@@ -44,46 +58,98 @@ def matmul_loop(a_ptr, b_ptr, offs_m, offs_n, M, N, K,
     are merged block by block with Chan's formula (each block's own mean and M2 first), never as
     E[a^2] - E[a]^2, which cancels badly. Returns (acc, acc2, shift, mean of shifted rows, M2).
     """
-    rk = tl.arange(0, BLOCK_K)
-    rows, cols = offs_m, offs_n
-    if INT64:
-        rows, cols = offs_m.to(tl.int64), offs_n.to(tl.int64)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + cols[None, :] * stride_bn
-    m_mask = (offs_m < M)[:, None]
-    n_mask = (offs_n < N)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-    mean = tl.zeros((BLOCK_M,), dtype=ACC_DTYPE)
-    m2 = tl.zeros((BLOCK_M,), dtype=ACC_DTYPE)
-    shift = mean
-    if ROW_STATS:
-        shift = tl.load(a_ptr + rows * stride_am, mask=offs_m < M, other=0.0).to(ACC_DTYPE)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a_mask, b_mask = m_mask, n_mask
-        else:
-            k_left = K - k * BLOCK_K
-            a_mask, b_mask = m_mask & (rk[None, :] < k_left), n_mask & (rk[:, None] < k_left)
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    if TMA:
+        tl.static_assert(not ROW_STATS, "the LayerNorm fold reads A through pointers")
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_ptr.load([off_m, k * BLOCK_K])
+            if B_KMAJOR:
+                acc = tl.dot(a, b_ptr.load([off_n, k * BLOCK_K]).T, acc, input_precision=PRECISION)
+                if TWO_B:
+                    acc2 = tl.dot(a, b_ptr.load([off_n + b2_offset, k * BLOCK_K]).T, acc2, input_precision=PRECISION)
+            else:
+                acc = tl.dot(a, b_ptr.load([k * BLOCK_K, off_n]), acc, input_precision=PRECISION)
+                if TWO_B:
+                    acc2 = tl.dot(a, b_ptr.load([k * BLOCK_K, off_n + b2_offset]), acc2, input_precision=PRECISION)
+        shift = tl.zeros((BLOCK_M,), dtype=ACC_DTYPE)
+        mean, m2 = shift, shift
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        rows, cols = offs_m, offs_n
+        if INT64:
+            rows, cols = offs_m.to(tl.int64), offs_n.to(tl.int64)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + rk[:, None] * stride_bk + cols[None, :] * stride_bn
+        m_mask = (offs_m < M)[:, None]
+        n_mask = (offs_n < N)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        mean = tl.zeros((BLOCK_M,), dtype=ACC_DTYPE)
+        m2 = tl.zeros((BLOCK_M,), dtype=ACC_DTYPE)
+        shift = mean
         if ROW_STATS:
-            in_k = rk < K - k * BLOCK_K
-            in_row = m_mask & in_k[None, :]
-            y = tl.where(in_row, a.to(ACC_DTYPE) - shift[:, None], 0.0)
-            n_seen = k * BLOCK_K * 1.0
-            n_block = tl.sum(tl.where(in_k, 1.0, 0.0), axis=0).to(ACC_DTYPE)
-            block_mean = tl.sum(y, axis=1) / n_block
-            dev = tl.where(in_row, y - block_mean[:, None], 0.0)
-            delta = block_mean - mean
-            mean += delta * (n_block / (n_seen + n_block))
-            m2 += tl.sum(dev * dev, axis=1) + delta * delta * (n_seen * n_block / (n_seen + n_block))
-            a = y.to(a.dtype)
-        acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, input_precision=PRECISION)
-        if TWO_B:
-            acc2 = tl.dot(a, tl.load(b_ptrs + b2_offset, mask=b_mask, other=0.0), acc2, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+            shift = tl.load(a_ptr + rows * stride_am, mask=offs_m < M, other=0.0).to(ACC_DTYPE)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a_mask, b_mask = m_mask, n_mask
+            else:
+                k_left = K - k * BLOCK_K
+                a_mask, b_mask = m_mask & (rk[None, :] < k_left), n_mask & (rk[:, None] < k_left)
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            if ROW_STATS:
+                in_k = rk < K - k * BLOCK_K
+                in_row = m_mask & in_k[None, :]
+                y = tl.where(in_row, a.to(ACC_DTYPE) - shift[:, None], 0.0)
+                n_seen = k * BLOCK_K * 1.0
+                n_block = tl.sum(tl.where(in_k, 1.0, 0.0), axis=0).to(ACC_DTYPE)
+                block_mean = tl.sum(y, axis=1) / n_block
+                dev = tl.where(in_row, y - block_mean[:, None], 0.0)
+                delta = block_mean - mean
+                mean += delta * (n_block / (n_seen + n_block))
+                m2 += tl.sum(dev * dev, axis=1) + delta * delta * (n_seen * n_block / (n_seen + n_block))
+                a = y.to(a.dtype)
+            acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, input_precision=PRECISION)
+            if TWO_B:
+                acc2 = tl.dot(a, tl.load(b_ptrs + b2_offset, mask=b_mask, other=0.0), acc2, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
     return acc, acc2, shift, mean, m2
+
+
+def tma_available(device):
+    """The TMA main loop needs a Hopper (or newer) GPU, or the interpreter when FUSED_OPS_TMA=1 (tests)."""
+    if TensorDescriptor is None or TMA_MODE == "0":
+        return False
+    if INTERPRET:
+        return TMA_MODE == "1"
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _tma_readable(t):
+    """A tensor descriptor covers a 2-D tensor with a contiguous last dim, a 16-byte aligned base and
+    16-byte aligned row stride, in a dtype the tensor cores take from it."""
+    return (t.dim() == 2 and t.dtype in (torch.float16, torch.bfloat16, torch.float32) and t.stride(1) == 1
+            and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def tma_operands(a, b_kn):
+    """The operands the TMA loop reads, or [] when it cannot (then the pointer loop does).
+
+    For A (M, K) and B (K, N) = b_kn passed as a kernel's first two arguments, returns
+    ([(0, A, its block dims), (1, B or B.T, its block dims)], B_KMAJOR). A B whose K dimension is
+    contiguous (the row-major (N, K) weight of a linear layer) is described as the (N, K) matrix it is
+    the transpose of, and the kernel transposes each loaded tile.
+    """
+    if not tma_available(a.device) or not _tma_readable(a):
+        return [], False
+    if _tma_readable(b_kn):
+        return [(0, a, ("BLOCK_M", "BLOCK_K")), (1, b_kn, ("BLOCK_K", "BLOCK_N"))], False
+    if _tma_readable(b_kn.t()):
+        return [(0, a, ("BLOCK_M", "BLOCK_K")), (1, b_kn.t(), ("BLOCK_N", "BLOCK_K"))], True
+    return [], False
 
 
 def dot_settings(dtype):
@@ -92,8 +158,6 @@ def dot_settings(dtype):
     fp32 follows PyTorch's own switch, so the fused path is exactly as precise as the eager one:
     full fp32 ("ieee") unless torch.backends.cuda.matmul.allow_tf32 is set. float64 (gradcheck) accumulates in float64.
     """
-    import torch
-
     if dtype == torch.float64:
         return tl.float64, "ieee"
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:

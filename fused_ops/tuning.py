@@ -19,17 +19,27 @@ import time
 import triton
 from triton.testing import do_bench
 
+try:  # host-side tensor descriptors (Triton >= 3.4); without them every kernel uses the pointer loop
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 AUTOTUNE = os.environ.get("FUSED_OPS_AUTOTUNE", "1") == "1"
+# The TMA main loop (see matmul.matmul_loop): "auto" uses it on Hopper+ GPUs when the operands allow,
+# "0" never, "1" also under the interpreter (the CPU tests use it to check that path).
+TMA_MODE = os.environ.get("FUSED_OPS_TMA", "auto")
 TRANSPOSE_WEIGHT_MIN_M = 2048  # rows of x from which the forward kernel reads an N-major copy of W
 LAYERNORM_ROWS_PER_PROGRAM = 16  # rows one LayerNorm-backward program walks, summing its share of dγ, dβ
 TUNING_LOG = []  # (kernel name, key, chosen config, seconds spent tuning)
 _best = {}
 
 
-def _config(block_m, block_n, block_k, warps, stages, group_m=8):
+def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None):
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m}
-    return triton.Config(meta, num_warps=warps, num_stages=stages)
+    cfg = triton.Config(meta, num_warps=warps, num_stages=stages)
+    cfg.maxnreg = maxnreg  # an attribute of Config only in newer Triton: set here, passed at launch
+    return cfg
 
 
 def matmul_configs(gated=False):
@@ -47,7 +57,10 @@ def matmul_configs(gated=False):
     else:
         configs = [
             _config(128, 256, 64, 8, 3),
-            _config(128, 128, 64, 8, 3),  # 96 KB of shared memory: two programs per SM overlap epilogues
+            # 96 KB of shared memory and at most 128 registers a thread: two programs fit per SM, so one's
+            # epilogue overlaps the other's main loop (the best TMA forward in tools/overlap_probe.py).
+            _config(128, 128, 64, 8, 3, maxnreg=128),
+            _config(128, 128, 64, 8, 3),
             _config(128, 128, 64, 8, 4),
             _config(128, 128, 64, 4, 4),
             _config(128, 64, 64, 4, 4),
@@ -62,16 +75,29 @@ def row_kernel_warps(block):
     return 1 if INTERPRET else min(16, max(4, block // 256))
 
 
-def launch_matmul(kernel, M, N, K, args, consts, gated, device, key):
-    """Launch a tiled matmul kernel (one program per output tile) with the tuned config for `key`, tuning on first use.
+def run_config(kernel, M, N, K, args, consts, cfg, descriptors=()):
+    """Launch a tiled matmul kernel (one program per output tile) with one config.
+
+    descriptors: (position in args, tensor, names of its block dims) for operands the kernel reads
+    through TMA: each becomes a tensor descriptor whose block is the config's tile.
+    """
+    meta = cfg.kwargs
+    tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+    call_args = list(args)
+    for i, t, block in descriptors:
+        call_args[i] = TensorDescriptor.from_tensor(t, [meta[d] for d in block])
+    extra = {} if getattr(cfg, "maxnreg", None) is None or INTERPRET else {"maxnreg": cfg.maxnreg}
+    return kernel[(tiles,)](*call_args, **consts, **meta, EVEN_K=K % meta["BLOCK_K"] == 0,
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+
+
+def launch_matmul(kernel, M, N, K, args, consts, gated, device, key, descriptors=()):
+    """run_config with the tuned config for `key`, tuning on first use.
 
     Returns the config used (callers that size buffers per row-tile need its BLOCK_M).
     """
     def run(cfg):
-        meta = cfg.kwargs
-        tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-        kernel[(tiles,)](*args, **consts, **meta, EVEN_K=K % meta["BLOCK_K"] == 0,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        run_config(kernel, M, N, K, args, consts, cfg, descriptors)
 
     cfg = _best.get(key)
     if cfg is None:

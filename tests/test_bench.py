@@ -1,9 +1,14 @@
-"""bench.py end to end on CPU (tiny model): every variant runs, outputs are written, losses agree."""
+"""bench.py end to end at tiny sizes (CPU through the interpreter, or the GPU when there is one): every variant runs, outputs are written, losses agree."""
 
 import json
 import os
 
+import torch
+
 import bench
+
+# The fused kernels run on CUDA, or on CPU only under the interpreter (set by conftest when there is no GPU).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_bench_runs_and_paths_agree(tmp_path):
@@ -11,7 +16,7 @@ def test_bench_runs_and_paths_agree(tmp_path):
     cfg.write_text("n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 16\nbatch_size = 2\n"
                    "dataset = 'shakespeare_char'\nactivation = 'gelu'\n")
     out = str(tmp_path / "bench_tiny")
-    rows = bench.main([str(cfg), "--device=cpu", "--compile=False", "--warmup=1", "--steps=2", f"--out={out}"])
+    rows = bench.main([str(cfg), f"--device={DEVICE}", "--dtype=float32", "--compile=False", "--warmup=1", "--steps=2", f"--out={out}"])
     assert [(r["mlp"], r["compile"]) for r in rows] == [("eager", False), ("fused", False)]
     eager, fused = rows
     for a, b in zip(eager["first_losses"], fused["first_losses"]):  # same weights, same batches
@@ -27,11 +32,11 @@ def test_bench_runs_and_paths_agree(tmp_path):
 def test_bench_mlp_widths(tmp_path):
     """--mlp_widths on CPU at tiny sizes: a row per width, activation and path; fused forward equals eager's."""
     out = str(tmp_path / "widths")
-    rows = bench.main(["--mlp_widths=32,64", "--mlp_tokens=32,32", "--device=cpu", "--compile=False", f"--out={out}"])
+    rows = bench.main(["--mlp_widths=32,64", "--mlp_tokens=32,32", f"--device={DEVICE}", "--dtype=float32", "--compile=False", f"--out={out}"])
     assert {(r["C"], r["activation"], r["path"]) for r in rows} == \
         {(C, a, p) for C in (32, 64) for a in ("gelu", "swiglu") for p in ("eager", "fused")}
     for r in rows:
-        assert r["correct"] and r["fwd_fused_vs_eager"] < 1e-5  # float32 on CPU
+        assert r["correct"] and r["fwd_fused_vs_eager"] < 1e-5  # float32
         assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["fwd_pct_floor"] > 0 and r["fwdbwd_pct_floor"] > 0
     assert {r["H"] for r in rows if r["C"] == 64} == {256, 192}  # 4C for gelu; 8/3 C rounded up to 64 for swiglu
     for ext in (".json", ".csv", ".png"):

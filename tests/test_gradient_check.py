@@ -27,6 +27,24 @@ def loss_and_grads(model, idx, targets):
 @pytest.mark.parametrize("activation", list(PLAIN_ACTIVATIONS) + list(GATED_ACTIVATIONS))
 def test_fused_model_matches_eager(activation, fuse_ln):
     """fuse_ln=True also folds each block's second LayerNorm into the fused MLP."""
+    check_fused_model_matches_eager(activation, fuse_ln)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu2", "swiglu", "sigmoid_tanh"])
+def test_fused_model_matches_eager_tma_main_loop(activation, monkeypatch):
+    """The same check with the kernels reading their operands through TMA descriptors (the H100 path)."""
+    import fused_ops.matmul
+
+    if fused_ops.matmul.TensorDescriptor is None:
+        pytest.skip("this Triton has no host-side tensor descriptors")
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs a Hopper GPU")
+    monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "1")
+    assert fused_ops.matmul.tma_available(torch.device(DEVICE))
+    check_fused_model_matches_eager(activation, fuse_ln=False)
+
+
+def check_fused_model_matches_eager(activation, fuse_ln):
     torch.manual_seed(0)
     cfg = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True,
                activation=activation)

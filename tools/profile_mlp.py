@@ -19,14 +19,13 @@ from fused_ops import FusedMLP, linear_act_forward
 from fused_ops.activations import kernel_activations
 from fused_ops.dgrad import dgrad_kernel
 from fused_ops.linear_act import linear_act_kernel
-from fused_ops.tuning import TUNING_LOG, matmul_configs
+from fused_ops.matmul import tma_operands
+from fused_ops.tuning import TUNING_LOG, matmul_configs, run_config
 from model import MLP, GPTConfig
 
 
-def time_config(kernel, grid_args, args, consts, cfg):
-    meta = dict(cfg.kwargs)
-    grid = (triton.cdiv(grid_args[0], meta["BLOCK_M"]) * triton.cdiv(grid_args[1], meta["BLOCK_N"]),)
-    run = lambda: kernel[grid](*args, **consts, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def time_config(kernel, M, N, K, args, consts, cfg, descriptors=()):
+    run = lambda: run_config(kernel, M, N, K, args, consts, cfg, descriptors)
     try:
         run()
         return do_bench_cudagraph(run)
@@ -57,19 +56,32 @@ def main():
         mm_dg = do_bench_cudagraph(lambda: dy @ w2)
         print(f"\n== {act} M={M} C={C} H={H}: cuBLAS fc {mm_fc * 1e3:.1f} us, dgrad-shaped {mm_dg * 1e3:.1f} us (graph replay)")
         common = dict(ACTIVATION=k_act, UP_ACTIVATION=k_up, GATED=gated, ACC_DTYPE=triton.language.float32,
-                      PRECISION="ieee", EVEN_K=True, INT64=False)
+                      PRECISION="ieee", INT64=False)
         fmt = lambda t, ref: f"{t * 1e3:7.1f} us ({t / ref:4.2f}x cuBLAS)" if isinstance(t, float) else t
-        for c in matmul_configs(gated):
-            f = time_config(linear_act_kernel, (M, H), (x, w1, b1, out, pre, M, H, C, C, 1, C, 1, H, rows),
-                            dict(common, HAS_BIAS=True, SAVE_PRE=True), c)
-            bare = time_config(linear_act_kernel, (M, H), (x, w1, b1, out, pre, M, H, C, C, 1, C, 1, H, rows),
-                               dict(common, HAS_BIAS=False, SAVE_PRE=False, ACTIVATION="identity"), c)
-            print(f"  fwd   {c.kwargs} w{c.num_warps} s{c.num_stages}: {fmt(f, mm_fc)}   bare matmul {fmt(bare, mm_fc)}")
-        for c in matmul_configs(False):
-            partial = torch.empty(triton.cdiv(M, c.kwargs["BLOCK_M"]), rows, device="cuda")
-            d = time_config(dgrad_kernel, (M, H), (dy, w2, pre, gp, partial, M, H, C, C, 1, H, 1, rows, rows, rows),
-                            dict(common, BIAS_GRAD=True), c)
-            print(f"  dgrad {c.kwargs} w{c.num_warps} s{c.num_stages}: {fmt(d, mm_dg)}")
+        w1_n = w1.t().contiguous().t()  # the N-major copy the forward reads at this M
+        fwd_args = (x, w1_n, b1, out, pre, w1, out, 0.0, M, H, C, C, 1, 1, rows, H, rows)
+        dg_args = (dy, w2, pre, gp, None, M, H, C, C, 1, H, 1, rows, rows, rows)
+        for loop in ("pointer", "tma"):
+            fwd_desc, fwd_kmajor = tma_operands(x, w1_n.t()) if loop == "tma" else ([], False)
+            dg_desc, dg_kmajor = tma_operands(dy, w2) if loop == "tma" else ([], False)
+            if loop == "tma" and not (fwd_desc and dg_desc):
+                print("  (no TMA on this GPU / Triton)")
+                continue
+            fwd_c = dict(common, LN_FOLD=False, TMA=bool(fwd_desc), B_KMAJOR=fwd_kmajor)
+            for c in matmul_configs(gated):
+                f = time_config(linear_act_kernel, M, H, C, fwd_args, dict(fwd_c, HAS_BIAS=True, SAVE_PRE=True), c,
+                                fwd_desc)
+                bare = time_config(linear_act_kernel, M, H, C, fwd_args,
+                                   dict(fwd_c, HAS_BIAS=False, SAVE_PRE=False, ACTIVATION="identity"), c, fwd_desc)
+                print(f"  fwd   {loop:7s} {c.kwargs} w{c.num_warps} s{c.num_stages} r{getattr(c, 'maxnreg', None)}: "
+                      f"{fmt(f, mm_fc)}   bare matmul {fmt(bare, mm_fc)}")
+            for c in matmul_configs(False):
+                partial = torch.empty(triton.cdiv(M, c.kwargs["BLOCK_M"]), rows, device="cuda")
+                args = dg_args[:4] + (partial,) + dg_args[5:]
+                d = time_config(dgrad_kernel, M, H, C, args, dict(common, BIAS_GRAD=True, TMA=bool(dg_desc),
+                                                                  B_KMAJOR=dg_kmajor), c, dg_desc)
+                print(f"  dgrad {loop:7s} {c.kwargs} w{c.num_warps} s{c.num_stages} r{getattr(c, 'maxnreg', None)}: "
+                      f"{fmt(d, mm_dg)}")
 
         # Launch overhead of the autotuned launcher (tuned on the first call).
         linear_act_forward(x, w1, b1, act, out=out, pre=pre)

@@ -1,0 +1,90 @@
+"""Where does the CPU time of a fused call go? Host time per call (no synchronization inside the loop,
+tiny shapes so the GPU never holds the CPU back) of each layer of the fused path, then a cProfile of
+the fused MLP's forward + backward.
+
+    python tools/launch_overhead.py
+"""
+
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_ops import FusedMLP, linear_act_forward
+from fused_ops.matmul import TensorDescriptor
+from fused_ops.ops import linear_act_op
+from model import MLP, GPTConfig
+
+
+@triton.jit
+def noop_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def noop_desc_kernel(desc, BLOCK: tl.constexpr):
+    desc.store([0, 0], desc.load([0, 0]))
+
+
+def host_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
+def main():
+    dt = torch.bfloat16
+    cfg = GPTConfig(n_embd=768, n_head=12, activation="gelu")
+    M, C = 256, cfg.n_embd
+    x = torch.randn(M, C, device="cuda", dtype=dt)
+    fused = FusedMLP(cfg).cuda().to(dt)
+    eager = MLP(cfg).cuda().to(dt)
+    w, b = fused.c_fc.weight.detach(), fused.c_fc.bias.detach()
+    buf = torch.randn(1024, device="cuda")
+    t2 = torch.randn(64, 64, device="cuda", dtype=dt)
+    xg = x.clone().requires_grad_()
+    dy = torch.randn(M, C, device="cuda", dtype=dt)
+    rows = [
+        ("torch.empty", lambda: torch.empty(M, C, device="cuda", dtype=dt)),
+        ("triton launch, pointer args", lambda: noop_kernel[(1,)](buf, 1024, BLOCK=1024)),
+        ("TensorDescriptor.from_tensor", lambda: TensorDescriptor.from_tensor(t2, [64, 64])),
+        ("triton launch, descriptor arg", lambda: noop_desc_kernel[(1,)](TensorDescriptor.from_tensor(t2, [64, 64]),
+                                                                        BLOCK=64)),
+        ("linear_act_forward", lambda: linear_act_forward(x, w, b, "gelu")),
+        ("linear_act custom op", lambda: linear_act_op(x, w, b, "gelu", True)),
+        ("FusedMLP fwd (no grad)", lambda: fused(x)),
+        ("FusedMLP fwd+bwd", lambda: fused(xg).backward(dy)),
+        ("eager MLP fwd+bwd", lambda: eager(xg).backward(dy)),
+    ]
+    results = [(name, host_us(fn)) for name, fn in rows]
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        fused(xg).backward(dy)
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    print(f"{'host time per call':32s} {'us':>8s}")
+    for name, us in results:
+        print(f"{name:32s} {us:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
