@@ -5,6 +5,10 @@ ops with fake (shape-only) implementations, each kernel becomes one opaque node 
 of the model is compiled around it without a graph break (tested with fullgraph=True). The autograd
 Functions in mlp.py call these ops. Optional outputs that are not computed come back as empty tensors
 (a custom op returns a fixed number of tensors).
+
+Outside torch.compile the launchers are called directly: the dispatcher's custom-op path (schema and
+output-aliasing checks) costs ~60 us of host time per call on the H100 machine (tools/launch_overhead.py),
+time the eager path would otherwise spend before the GPU gets its next kernel.
 """
 
 from typing import Optional
@@ -18,7 +22,22 @@ from .layernorm import layernorm_backward
 from .linear_act import linear_act_forward, ln_linear_act_forward
 
 
-@torch.library.custom_op("fused_mlp::linear_act", mutates_args=())
+def fused_op(name):
+    """Register the decorated function as the custom op `name` and return a caller that goes through the
+    op only while torch.compile traces (where it must be one opaque node), and calls the function directly
+    otherwise. The op itself is the caller's `.op` (its fake implementation is registered there)."""
+    def wrap(fn):
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+        call.op = op
+        call.__doc__ = fn.__doc__
+        return call
+    return wrap
+
+
+@fused_op("fused_mlp::linear_act")
 def linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
                   save_pre: bool) -> tuple[Tensor, Tensor]:
     """(act(x @ weight.T + bias), pre-activation or an empty tensor) for a 2-D x."""
@@ -26,27 +45,27 @@ def linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation:
     return out, pre if save_pre else x.new_empty(0)
 
 
-@linear_act_op.register_fake
+@linear_act_op.op.register_fake
 def _linear_act_fake(x, weight, bias, activation, save_pre):
     gated = kernel_activations(activation)[2]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     return x.new_empty(x.shape[0], n), x.new_empty(x.shape[0], weight.shape[0]) if save_pre else x.new_empty(0)
 
 
-@torch.library.custom_op("fused_mlp::dgrad", mutates_args=())
+@fused_op("fused_mlp::dgrad")
 def dgrad_op(grad_y: Tensor, w2: Tensor, pre: Tensor, activation: str, bias_grad: bool) -> tuple[Tensor, Tensor]:
     """((grad_y @ w2) * act'(pre), its column sums or an empty tensor)."""
     grad_pre, grad_bias = linear_act_dgrad(grad_y, w2, pre, activation, bias_grad=bias_grad)
     return grad_pre, grad_bias if bias_grad else grad_y.new_empty(0)
 
 
-@dgrad_op.register_fake
+@dgrad_op.op.register_fake
 def _(grad_y, w2, pre, activation, bias_grad):
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
     return pre.new_empty(pre.shape), pre.new_empty(pre.shape[1], dtype=sum_dtype) if bias_grad else grad_y.new_empty(0)
 
 
-@torch.library.custom_op("fused_mlp::ln_linear_act", mutates_args=())
+@fused_op("fused_mlp::ln_linear_act")
 def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float, weight: Tensor,
                      bias: Optional[Tensor], activation: str, save_pre: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(act(LayerNorm(x) @ weight.T + bias), pre-activation, row stats (2, M)), the last two empty unless save_pre."""
@@ -54,14 +73,14 @@ def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[T
     return (out, pre, stats) if save_pre else (out, x.new_empty(0), x.new_empty(0))
 
 
-@ln_linear_act_op.register_fake
+@ln_linear_act_op.op.register_fake
 def _(x, ln_weight, ln_bias, eps, weight, bias, activation, save_pre):
     out, pre = _linear_act_fake(x, weight, bias, activation, save_pre)
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return out, pre, x.new_empty((2, x.shape[0]) if save_pre else (0,), dtype=stats_dtype)
 
 
-@torch.library.custom_op("fused_mlp::layernorm_backward", mutates_args=())
+@fused_op("fused_mlp::layernorm_backward")
 def layernorm_backward_op(x: Tensor, grad_ln: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor],
                           stats: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, recomputed LayerNorm output, dγ, dβ); dγ / dβ empty when there is no γ / β."""
@@ -69,7 +88,7 @@ def layernorm_backward_op(x: Tensor, grad_ln: Tensor, ln_weight: Optional[Tensor
     return dx, ln, x.new_empty(0) if grad_w is None else grad_w, x.new_empty(0) if grad_b is None else grad_b
 
 
-@layernorm_backward_op.register_fake
+@layernorm_backward_op.op.register_fake
 def _(x, grad_ln, ln_weight, ln_bias, stats):
     return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(0) if ln_weight is None else ln_weight.new_empty(ln_weight.shape),
             x.new_empty(0) if ln_bias is None else ln_bias.new_empty(ln_bias.shape))
