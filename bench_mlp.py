@@ -118,15 +118,15 @@ def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=
 
     # The two kernels against the plain cuBLAS matmul of the same shape.
     xd = x.detach()
-    pre = torch.empty(M, n_rows, device=device, dtype=dtype)
+    saved = torch.empty(M, n_rows, device=device, dtype=dtype)
     out = torch.empty(M, H, device=device, dtype=dtype)
     row["matmul_fc_ms"] = bench(lambda: xd @ w1.t(), device)
-    row["kernel_fwd_save_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, out=out, pre=pre), device)
-    row["kernel_fwd_nosave_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, save_pre=False, out=out),
+    row["kernel_fwd_save_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, out=out, saved=saved), device)
+    row["kernel_fwd_nosave_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, save=False, out=out),
                                         device)
-    gp = torch.empty_like(pre)
+    gp = torch.empty_like(saved)
     row["matmul_dgrad_ms"] = bench(lambda: dy @ w2, device)
-    row["kernel_dgrad_ms"] = bench(lambda: linear_act_dgrad(dy, w2, pre, activation, out=gp), device)
+    row["kernel_dgrad_ms"] = bench(lambda: linear_act_dgrad(dy, w2, saved, activation, out=gp), device)
     return row
 
 

@@ -4,7 +4,9 @@ Plain:  out = act(x @ W.T + b)                        W: (N, K)
 Gated:  out = gate_act(x @ Wg.T + bg) * up_act(x @ Wu.T + bu), with W = [Wg; Wu]: (2N, K)
         Both halves of an output tile are computed by the same program from one read of x (two
         accumulators), so the gate and up projections never travel through global memory separately.
-The pre-activation (both halves for GLU) is written only when backward will need it.
+When backward will need it, the kernel also saves what backward needs and no more: for a plain activation
+the derivative act'(z) (computed here, beside act(z), it shares GELU's erf; backward then multiplies by
+it and runs no transcendental), for a gated one both pre-activation halves [z_gate | z_up].
 
 LayerNorm fold (ln_linear_act_forward): act(LN(x) @ W.T + b) from the raw x. With W' = W·diag(γ),
 colsum = W' summed over inputs and b' = b + W β:
@@ -17,19 +19,44 @@ import torch
 import triton
 import triton.language as tl
 
-from .activations import activation, kernel_activations
-from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, tile_ids, tma_operands
+from .activations import activation, activation_grad, kernel_activations
+from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, split_columns, tile_ids, tma_operands
 from .tuning import TRANSPOSE_WEIGHT_MIN_M, launch_matmul
 
 
 @triton.jit
+def linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
+                        ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, ACC_DTYPE: tl.constexpr, INT64: tl.constexpr):
+    """Bias, activation and the stores for output columns offs_n of a tile still in registers."""
+    n_mask = offs_n < N
+    mask = (offs_m < M)[:, None] & n_mask[None, :]
+    if HAS_BIAS:
+        z += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
+        if GATED:
+            z_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
+    rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
+    out = activation(z, ACTIVATION)
+    if GATED:
+        out = out * activation(z_up, UP_ACTIVATION)
+    tl.store(out_ptr + rows * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SAVE:
+        saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :]
+        if GATED:  # backward needs gate_act, up_act and both derivatives: keep both pre-activations
+            tl.store(saved_ptrs, z.to(saved_ptr.dtype.element_ty), mask=mask)
+            tl.store(saved_ptrs + N, z_up.to(saved_ptr.dtype.element_ty), mask=mask)
+        else:  # backward needs only act'(z); computed here it shares work with act(z) (GELU's erf)
+            tl.store(saved_ptrs, activation_grad(z, ACTIVATION).to(saved_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def linear_act_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, pre_ptr, colsum_ptr, stats_ptr, eps, M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_pm,
+    x_ptr, w_ptr, b_ptr, out_ptr, saved_ptr, colsum_ptr, stats_ptr, eps, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_sm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, LN_FOLD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, LN_FOLD: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
-    TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+    TMA: tl.constexpr, B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -41,43 +68,43 @@ def linear_act_kernel(
         N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
         ROW_STATS=LN_FOLD, TMA=TMA, B_KMAJOR=B_KMAJOR)
 
-    # Epilogue, on the tile in registers.
-    n_mask = offs_n < N
-    mask = (offs_m < M)[:, None] & n_mask[None, :]
     if LN_FOLD:  # z = (x - s) @ W'.T: subtract mean(x - s) * colsum and divide by the row's std
+        n_mask = offs_n < N
         rstd = 1.0 / tl.sqrt(m2 / K + eps)
         z = (z - mean[:, None] * tl.load(colsum_ptr + offs_n, mask=n_mask, other=0.0)[None, :]) * rstd[:, None]
         if GATED:
             colsum_up = tl.load(colsum_ptr + N + offs_n, mask=n_mask, other=0.0)
             z_up = (z_up - mean[:, None] * colsum_up[None, :]) * rstd[:, None]
-        if SAVE_PRE and pid_n == 0:  # one program per row-tile saves the row statistics backward needs
+        if SAVE and pid_n == 0:  # one program per row-tile saves the row statistics backward needs
             tl.store(stats_ptr + offs_m, shift + mean, mask=offs_m < M)
             tl.store(stats_ptr + M + offs_m, rstd, mask=offs_m < M)
-    if HAS_BIAS:
-        z += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
+    if SPLIT_EPILOGUE:  # the epilogue on one half of the tile's columns at a time
+        z_left, z_right = split_columns(z, BLOCK_M, BLOCK_N)
+        up_left, up_right = z_left, z_right
         if GATED:
-            z_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
-    rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
-    if SAVE_PRE:
-        pre_ptrs = pre_ptr + rows * stride_pm + offs_n[None, :]
-        tl.store(pre_ptrs, z.to(pre_ptr.dtype.element_ty), mask=mask)
-        if GATED:
-            tl.store(pre_ptrs + N, z_up.to(pre_ptr.dtype.element_ty), mask=mask)
-    out = activation(z, ACTIVATION)
-    if GATED:
-        out = out * activation(z_up, UP_ACTIVATION)
-    tl.store(out_ptr + rows * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+            up_left, up_right = split_columns(z_up, BLOCK_M, BLOCK_N)
+        linear_act_epilogue(z_left, up_left, offs_m, pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2), M, N, b_ptr, out_ptr,
+                            saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE,
+                            ACC_DTYPE, INT64)
+        linear_act_epilogue(z_right, up_right, offs_m, pid_n * BLOCK_N + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2), M, N, b_ptr,
+                            out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS,
+                            SAVE, ACC_DTYPE, INT64)
+    else:
+        linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
+                            ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, ACC_DTYPE, INT64)
 
 
-def linear_act_forward(x, weight, bias, activation, save_pre=True, out=None, pre=None):
-    """Launch the kernel on a 2-D x (M, K) of any strides. Returns (out (M, N), pre or None).
+def linear_act_forward(x, weight, bias, activation, save=True, out=None, saved=None):
+    """Launch the kernel on a 2-D x (M, K) of any strides. Returns (out (M, N), saved or None).
 
     weight: (N, K), or (2N, K) = [gate; up] for a gated activation; bias: matching (N,) / (2N,) or None.
-    out / pre: optional preallocated outputs with unit column stride (tests poison them to catch
+    saved (if save): what backward needs, shaped like the pre-activation (M, weight.shape[0]): act'(z)
+    for a plain activation, z = [z_gate | z_up] for a gated one (see the module docstring).
+    out / saved: optional preallocated outputs with unit column stride (tests poison them to catch
     unwritten elements). Arguments are assumed validated (see fused_ops.mlp.check_mlp_args).
     """
-    out, pre, _ = _launch(x, weight, bias, activation, save_pre, out, pre)
-    return out, pre
+    out, saved, _ = _launch(x, weight, bias, activation, save, out, saved)
+    return out, saved
 
 
 def fold_layernorm(weight, bias, ln_weight, ln_bias):
@@ -93,44 +120,44 @@ def fold_layernorm(weight, bias, ln_weight, ln_bias):
     return w_folded, colsum, b_folded
 
 
-def ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, save_pre=True, out=None, pre=None):
+def ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, save=True, out=None, saved=None):
     """act(LayerNorm(x) @ weight.T + bias) with the LayerNorm folded into the matmul (γ = ln_weight and
-    β = ln_bias may be None). Returns (out, pre or None, stats or None): stats (2, M) holds each row's
-    mean and 1/std in fp32 (fp64 for fp64), what the LayerNorm backward needs."""
+    β = ln_bias may be None). Returns (out, saved or None, stats or None), saved as in linear_act_forward;
+    stats (2, M) holds each row's mean and 1/std in fp32 (fp64 for fp64), what the LayerNorm backward needs."""
     w_folded, colsum, b_folded = fold_layernorm(weight, bias, ln_weight, ln_bias)
-    return _launch(x, w_folded, b_folded, activation, save_pre, out, pre, ln=(colsum, eps))
+    return _launch(x, w_folded, b_folded, activation, save, out, saved, ln=(colsum, eps))
 
 
-def _launch(x, weight, bias, activation, save_pre, out, pre, ln=None):
+def _launch(x, weight, bias, activation, save, out, saved, ln=None):
     act, up_act, gated = kernel_activations(activation)
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty((M, N), device=x.device, dtype=x.dtype) if out is None else out
-    if save_pre and pre is None:
-        pre = torch.empty((M, weight.shape[0]), device=x.device, dtype=x.dtype)
+    if save and saved is None:
+        saved = torch.empty((M, weight.shape[0]), device=x.device, dtype=x.dtype)
     check_buffer("out", out, (M, N))
-    if save_pre:
-        check_buffer("pre", pre, (M, weight.shape[0]))
+    if save:
+        check_buffer("saved", saved, (M, weight.shape[0]))
     colsum, eps = ln if ln is not None else (None, 0.0)
-    stats = torch.empty((2, M), device=x.device, dtype=colsum.dtype) if ln is not None and save_pre else None
+    stats = torch.empty((2, M), device=x.device, dtype=colsum.dtype) if ln is not None and save else None
     if M == 0:
-        return out, (pre if save_pre else None), stats
+        return out, (saved if save else None), stats
     if x.is_cuda and M >= TRANSPOSE_WEIGHT_MIN_M and weight.stride(1) == 1:
         # The tensor cores are fed faster from an N-major B = W.T; a row-major (N, K) weight is K-major.
         # One transposed copy of W (a few us) saves more than that in the main loop once M is large
         # (measured on an H100 only, M=12288, C=768, H=3072: a plain Triton matmul 1.42x -> 1.17x cuBLAS).
         weight = weight.t().contiguous().t()
     acc_dtype, precision = dot_settings(x.dtype)
-    args = (x, weight, bias if bias is not None else weight, out, pre if save_pre else out,
+    args = (x, weight, bias if bias is not None else weight, out, saved if save else out,
             colsum if ln is not None else weight, stats if stats is not None else out, eps, M, N, K,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), pre.stride(0) if save_pre else 0)
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), saved.stride(0) if save else 0)
     # The TMA loop reads x and W.T through descriptors (the LayerNorm fold shifts x's rows in registers,
     # so it keeps the pointer loop).
     descriptors, b_kmajor = tma_operands(x, weight.t()) if ln is None else ([], False)
-    consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, SAVE_PRE=save_pre,
+    consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, SAVE=save,
                   LN_FOLD=ln is not None, ACC_DTYPE=acc_dtype, PRECISION=precision,
-                  INT64=needs_int64(x, weight, out, pre), TMA=bool(descriptors), B_KMAJOR=b_kmajor)
+                  INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("linear_act", N, K, x.dtype, weight.stride(), x.device, *consts.values())
     launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, x.device, key,
                   descriptors=descriptors)
-    return out, (pre if save_pre else None), stats
+    return out, (saved if save else None), stats

@@ -1,21 +1,21 @@
 """The fused MLP: autograd Functions over the kernels, and FusedMLP, a drop-in for model.MLP.
 
-Forward:   h, pre = linear_act(x, W1, b1)               (Triton: matmul + bias + activation, saves pre)
-           y = h @ W2.T + b2                           (cuBLAS, bias in its epilogue)
-Backward:  dW2 = grad_y.T @ h, db2 = grad_y.sum(0)     (cuBLAS)
-           grad_pre, db1 = linear_act_dgrad(grad_y, W2, pre)   (Triton: matmul * act'(pre), bias sums fused)
-           dW1 = grad_pre.T @ x, dx = grad_pre @ W1     (cuBLAS)
+Forward:   h, s = linear_act(x, W1, b1)         (Triton: matmul + bias + activation; s = act'(z), or z if gated)
+           y = h @ W2.T + b2                     (cuBLAS, bias in its epilogue)
+Backward:  dW2 = grad_y.T @ h, db2 = grad_y.sum(0)       (cuBLAS)
+           grad_z, db1 = linear_act_dgrad(grad_y, W2, s)  (Triton: matmul * act'(z), bias sums fused)
+           dW1 = grad_z.T @ x, dx = grad_z @ W1           (cuBLAS)
 
 With the block's LayerNorm folded in (ln_weight / ln_bias / ln_eps given), x is the raw residual stream:
-Forward:   h, pre, stats = ln_linear_act(x, γ, β, W1, b1)   (Triton: LN folded into the matmul, see linear_act.py)
-Backward:  grad_ln = grad_pre @ W1                           (cuBLAS)
+Forward:   h, s, stats = ln_linear_act(x, γ, β, W1, b1)   (Triton: LN folded into the matmul, see linear_act.py)
+Backward:  grad_ln = grad_z @ W1                           (cuBLAS)
            dx, ln, dγ, dβ = layernorm_backward(x, grad_ln, stats)   (Triton: one pass, recomputes ln = LN(x))
-           dW1 = grad_pre.T @ ln                              (cuBLAS)
+           dW1 = grad_z.T @ ln                              (cuBLAS)
 """
 
 import torch
 
-from model import MLP, PLAIN_ACTIVATIONS, GATED_ACTIVATIONS
+from model import MLP, GATED_ACTIVATIONS
 
 from .activations import kernel_activations
 from .ops import dgrad_op, layernorm_backward_op, linear_act_op, ln_linear_act_op
@@ -82,21 +82,22 @@ class LinearActFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, activation):
         x2 = x.reshape(-1, x.shape[-1])
         needs_grad = any(ctx.needs_input_grad[:3])
-        out, pre = linear_act_op(x2, weight, bias, activation, needs_grad)
+        out, saved = linear_act_op(x2, weight, bias, activation, needs_grad)
         ctx.activation = activation
         if needs_grad:
-            ctx.save_for_backward(x2, weight, pre)
+            ctx.save_for_backward(x2, weight, saved)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x2, weight, pre = ctx.saved_tensors
-        # The derivative as an elementwise pass through PyTorch's autograd of the eager activation.
-        with torch.enable_grad():
-            p = pre.detach().requires_grad_()
-            h = (GATED_ACTIVATIONS[ctx.activation](*p.chunk(2, dim=-1)) if ctx.activation in GATED_ACTIVATIONS
-                 else PLAIN_ACTIVATIONS.get(ctx.activation, lambda t: t)(p))
-            (grad_pre,) = torch.autograd.grad(h, p, grad_out.reshape(h.shape))
+        x2, weight, saved = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.activation in GATED_ACTIVATIONS:  # saved = [z_gate | z_up]: PyTorch's autograd of the eager gate
+            with torch.enable_grad():
+                z = saved.detach().requires_grad_()
+                (grad_pre,) = torch.autograd.grad(GATED_ACTIVATIONS[ctx.activation](*z.chunk(2, dim=-1)), z, g)
+        else:  # saved = act'(z)
+            grad_pre = g * saved
         grad_x = (grad_pre @ weight).view(*grad_out.shape[:-1], x2.shape[1]) if ctx.needs_input_grad[0] else None
         grad_w = grad_pre.t() @ x2 if ctx.needs_input_grad[1] else None
         grad_b = grad_pre.sum(0) if ctx.needs_input_grad[2] else None
@@ -115,18 +116,18 @@ class FusedMLPFunction(torch.autograd.Function):
         needs_grad = any(ctx.needs_input_grad[:5]) or any(ctx.needs_input_grad[6:8])
         stats = None
         if ln_eps is None:
-            h, pre = linear_act_op(x2, w_fc, b_fc, activation, needs_grad)
+            h, saved = linear_act_op(x2, w_fc, b_fc, activation, needs_grad)
         else:
-            h, pre, stats = ln_linear_act_op(x2, ln_weight, ln_bias, ln_eps, w_fc, b_fc, activation, needs_grad)
+            h, saved, stats = ln_linear_act_op(x2, ln_weight, ln_bias, ln_eps, w_fc, b_fc, activation, needs_grad)
         y = h @ w_proj.t() if b_proj is None else torch.addmm(b_proj, h, w_proj.t())
         ctx.activation, ctx.has_bias, ctx.fold_ln = activation, (b_fc is not None, b_proj is not None), ln_eps is not None
         if needs_grad:
-            ctx.save_for_backward(x2, w_fc, w_proj, h, pre, ln_weight, ln_bias, stats)
+            ctx.save_for_backward(x2, w_fc, w_proj, h, saved, ln_weight, ln_bias, stats)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
-        x2, w_fc, w_proj, h, pre, ln_weight, ln_bias, stats = ctx.saved_tensors
+        x2, w_fc, w_proj, h, saved, ln_weight, ln_bias, stats = ctx.saved_tensors
         # needs_input_grad has one entry per argument given: pad for calls without the LayerNorm ones.
         need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj, _, need_ln_w, need_ln_b = \
             (tuple(ctx.needs_input_grad) + (False,) * 3)[:8]
@@ -136,7 +137,7 @@ class FusedMLPFunction(torch.autograd.Function):
         bias_grad = ctx.has_bias[0] and need_b_fc
         grad_x = grad_w_fc = grad_b_fc = grad_ln_w = grad_ln_b = None
         if need_x or need_w_fc or bias_grad or need_ln_w or need_ln_b:  # else nothing below the activation needs one
-            grad_pre, grad_b_fc = dgrad_op(g, w_proj, pre, ctx.activation, bias_grad)
+            grad_pre, grad_b_fc = dgrad_op(g, w_proj, saved, ctx.activation, bias_grad)
             grad_b_fc = grad_b_fc.to(grad_pre.dtype) if bias_grad else None
             if ctx.fold_ln:
                 grad_x2, ln, grad_ln_w, grad_ln_b = layernorm_backward_op(x2, grad_pre @ w_fc, ln_weight, ln_bias, stats)

@@ -39,45 +39,45 @@ def fused_op(name):
 
 @fused_op("fused_mlp::linear_act")
 def linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
-                  save_pre: bool) -> tuple[Tensor, Tensor]:
-    """(act(x @ weight.T + bias), pre-activation or an empty tensor) for a 2-D x."""
-    out, pre = linear_act_forward(x, weight, bias, activation, save_pre=save_pre)
-    return out, pre if save_pre else x.new_empty(0)
+                  save: bool) -> tuple[Tensor, Tensor]:
+    """(act(x @ weight.T + bias), what backward needs or an empty tensor) for a 2-D x."""
+    out, saved = linear_act_forward(x, weight, bias, activation, save=save)
+    return out, saved if save else x.new_empty(0)
 
 
 @linear_act_op.op.register_fake
-def _linear_act_fake(x, weight, bias, activation, save_pre):
+def _linear_act_fake(x, weight, bias, activation, save):
     gated = kernel_activations(activation)[2]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    return x.new_empty(x.shape[0], n), x.new_empty(x.shape[0], weight.shape[0]) if save_pre else x.new_empty(0)
+    return x.new_empty(x.shape[0], n), x.new_empty(x.shape[0], weight.shape[0]) if save else x.new_empty(0)
 
 
 @fused_op("fused_mlp::dgrad")
-def dgrad_op(grad_y: Tensor, w2: Tensor, pre: Tensor, activation: str, bias_grad: bool) -> tuple[Tensor, Tensor]:
-    """((grad_y @ w2) * act'(pre), its column sums or an empty tensor)."""
-    grad_pre, grad_bias = linear_act_dgrad(grad_y, w2, pre, activation, bias_grad=bias_grad)
-    return grad_pre, grad_bias if bias_grad else grad_y.new_empty(0)
+def dgrad_op(grad_y: Tensor, w2: Tensor, saved: Tensor, activation: str, bias_grad: bool) -> tuple[Tensor, Tensor]:
+    """((grad_y @ w2) * act'(z) from the forward's saved tensor, its column sums or an empty tensor)."""
+    grad_z, grad_bias = linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=bias_grad)
+    return grad_z, grad_bias if bias_grad else grad_y.new_empty(0)
 
 
 @dgrad_op.op.register_fake
-def _(grad_y, w2, pre, activation, bias_grad):
+def _(grad_y, w2, saved, activation, bias_grad):
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
-    return pre.new_empty(pre.shape), pre.new_empty(pre.shape[1], dtype=sum_dtype) if bias_grad else grad_y.new_empty(0)
+    return saved.new_empty(saved.shape), saved.new_empty(saved.shape[1], dtype=sum_dtype) if bias_grad else grad_y.new_empty(0)
 
 
 @fused_op("fused_mlp::ln_linear_act")
 def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float, weight: Tensor,
-                     bias: Optional[Tensor], activation: str, save_pre: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(act(LayerNorm(x) @ weight.T + bias), pre-activation, row stats (2, M)), the last two empty unless save_pre."""
-    out, pre, stats = ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, save_pre=save_pre)
-    return (out, pre, stats) if save_pre else (out, x.new_empty(0), x.new_empty(0))
+                     bias: Optional[Tensor], activation: str, save: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(act(LayerNorm(x) @ weight.T + bias), what backward needs, row stats (2, M)), the last two empty unless save."""
+    out, saved, stats = ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, save=save)
+    return (out, saved, stats) if save else (out, x.new_empty(0), x.new_empty(0))
 
 
 @ln_linear_act_op.op.register_fake
-def _(x, ln_weight, ln_bias, eps, weight, bias, activation, save_pre):
-    out, pre = _linear_act_fake(x, weight, bias, activation, save_pre)
+def _(x, ln_weight, ln_bias, eps, weight, bias, activation, save):
+    out, saved = _linear_act_fake(x, weight, bias, activation, save)
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return out, pre, x.new_empty((2, x.shape[0]) if save_pre else (0,), dtype=stats_dtype)
+    return out, saved, x.new_empty((2, x.shape[0]) if save else (0,), dtype=stats_dtype)
 
 
 @fused_op("fused_mlp::layernorm_backward")

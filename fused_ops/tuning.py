@@ -35,37 +35,43 @@ TUNING_LOG = []  # (kernel name, key, chosen config, seconds spent tuning)
 _best = {}
 
 
-def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None):
-    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m}
+def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None, split=True):
+    """split: run the epilogue on half the tile's columns at a time (SPLIT_EPILOGUE, see split_columns)."""
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m, "SPLIT_EPILOGUE": split}
     cfg = triton.Config(meta, num_warps=warps, num_stages=stages)
     cfg.maxnreg = maxnreg  # an attribute of Config only in newer Triton: set here, passed at launch
     return cfg
 
 
 def matmul_configs(gated=False):
-    """Candidate tiles for the fused matmul kernels. Gated kernels hold two accumulators, so their tiles are smaller."""
+    """Candidate tiles for the fused matmul kernels. Gated kernels hold two accumulators, so their tiles are smaller.
+
+    On an H100 (tools/overlap_probe.py, notes/perf.md) what decides is whether the epilogue spills and
+    whether two programs fit on an SM: a 128x128 tile with 4 warps and 3 stages (96 KB of shared memory)
+    lets one program's epilogue run while the other's MMAs do."""
     if INTERPRET:
         return [_config(32, 32, 32, 4, 1, group_m=2)]
     if gated:
         configs = [
             _config(128, 128, 64, 8, 3),
+            _config(128, 128, 64, 8, 3, split=False),
             _config(128, 128, 64, 8, 2),
-            _config(128, 64, 64, 4, 4),
+            _config(128, 64, 64, 4, 4, split=False),
             _config(64, 128, 64, 4, 4),
-            _config(64, 64, 64, 4, 4),
+            _config(64, 64, 64, 4, 4, split=False),
         ]
     else:
         configs = [
             _config(128, 256, 64, 8, 3),
-            # 96 KB of shared memory and at most 128 registers a thread: two programs fit per SM, so one's
-            # epilogue overlaps the other's main loop (the best TMA forward in tools/overlap_probe.py).
+            _config(128, 128, 64, 4, 3),  # two programs per SM
+            _config(128, 128, 64, 4, 3, split=False),
+            # at most 128 registers a thread: two 8-warp programs fit per SM
             _config(128, 128, 64, 8, 3, maxnreg=128),
-            _config(128, 128, 64, 8, 3),
             _config(128, 128, 64, 8, 4),
-            _config(128, 128, 64, 4, 4),
-            _config(128, 64, 64, 4, 4),
+            _config(128, 128, 64, 8, 4, split=False),
+            _config(128, 64, 64, 4, 4, split=False),
             _config(64, 128, 64, 4, 4),
-            _config(64, 64, 64, 4, 4),
+            _config(64, 64, 64, 4, 4, split=False),
         ]
     return configs if AUTOTUNE else configs[:1]
 

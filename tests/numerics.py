@@ -39,23 +39,42 @@ def eager_act(name, z):
     return z if name == "identity" else PLAIN_ACTIVATIONS[name](z)
 
 
-def check_linear_act(out, pre, x, w, b, act):
+def eager_act_grad(name, z):
+    """The eager activation's derivative at z, by PyTorch's autograd (plain activations)."""
+    z = z.detach().requires_grad_()
+    (d,) = torch.autograd.grad(eager_act(name, z), z, torch.ones_like(z))
+    return d
+
+
+def check_saved(saved, z_eager, z64, act):
+    """What the forward kernel saved for backward, given the pre-activation z in the same dtype (eager)
+    and in float64: [z_gate | z_up] for a gated activation, act'(z) for a plain one."""
+    if act in GATED_ACTIVATIONS:
+        assert_no_worse_than_eager(saved, z_eager, z64, "pre-activation")
+    else:
+        assert_no_worse_than_eager(saved, eager_act_grad(act, z_eager), eager_act_grad(act, z64), "act'(z)")
+
+
+def check_linear_act(out, saved, x, w, b, act):
     """The forward kernel's outputs against float64 and the same-dtype eager computation."""
     z64 = torch.addmm(b.double(), x.double(), w.double().t())
     z_eager = torch.addmm(b, x, w.t())
-    assert_no_worse_than_eager(pre, z_eager, z64, "pre-activation")
+    check_saved(saved, z_eager, z64, act)
     assert_no_worse_than_eager(out, eager_act(act, z_eager), eager_act(act, z64), "output")
 
 
-def check_dgrad(grad_pre, grad_bias, grad_y, w2, pre, act):
-    """The dgrad kernel's outputs against float64 and the same-dtype eager computation."""
+def check_dgrad(grad_z, grad_bias, grad_y, w2, saved, act):
+    """The dgrad kernel's outputs against float64 and the same-dtype eager computation, given the saved
+    tensor: for a plain activation that is act'(z) itself, so the reference multiplies by it."""
 
-    def eager_grad(p, gy, w):
-        p = p.detach().requires_grad_()
-        (g,) = torch.autograd.grad(eager_act(act, p), p, gy @ w)
+    def eager_grad(s, gy, w):
+        if act not in GATED_ACTIVATIONS:
+            return (gy @ w) * s
+        s = s.detach().requires_grad_()
+        (g,) = torch.autograd.grad(eager_act(act, s), s, gy @ w)
         return g
 
-    ref = eager_grad(pre.double(), grad_y.double(), w2.double())
-    eager = eager_grad(pre, grad_y, w2)
-    assert_no_worse_than_eager(grad_pre, eager, ref, "grad_pre")
+    ref = eager_grad(saved.double(), grad_y.double(), w2.double())
+    eager = eager_grad(saved, grad_y, w2)
+    assert_no_worse_than_eager(grad_z, eager, ref, "grad_z")
     assert_no_worse_than_eager(grad_bias, eager.float().sum(0), ref.sum(0), "bias grad")

@@ -8,7 +8,7 @@ from fused_ops import linear_act_dgrad, linear_act_forward
 from fused_ops.linear_act import ln_linear_act_forward
 from fused_ops.mlp import fused_mlp
 from model import GATED_ACTIVATIONS, GPT, GPTConfig
-from numerics import assert_no_worse_than_eager, check_dgrad, check_linear_act, poisoned
+from numerics import assert_no_worse_than_eager, check_dgrad, check_linear_act, check_saved, poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -30,15 +30,15 @@ def test_forward_and_dgrad_large_and_odd(dtype, act, M, K, N, main_loop, monkeyp
     x = torch.randn(M, K, device="cuda", dtype=dtype)
     w = (torch.randn(rows, K, device="cuda") * K ** -0.5).to(dtype)
     b = torch.randn(rows, device="cuda", dtype=dtype)
-    out, pre = poisoned((M, N), dtype, "cuda"), poisoned((M, rows), dtype, "cuda")
-    linear_act_forward(x, w, b, act, out=out, pre=pre)
-    check_linear_act(out, pre, x, w, b, act)
+    out, saved = poisoned((M, N), dtype, "cuda"), poisoned((M, rows), dtype, "cuda")
+    linear_act_forward(x, w, b, act, out=out, saved=saved)
+    check_linear_act(out, saved, x, w, b, act)
 
     grad_y = torch.randn(M, K, device="cuda", dtype=dtype)
     w2 = (torch.randn(K, N, device="cuda") * N ** -0.5).to(dtype)
-    grad_pre = poisoned(pre.shape, dtype, "cuda")
-    _, grad_b = linear_act_dgrad(grad_y, w2, pre, act, out=grad_pre)
-    check_dgrad(grad_pre, grad_b, grad_y, w2, pre, act)
+    grad_z = poisoned(saved.shape, dtype, "cuda")
+    _, grad_b = linear_act_dgrad(grad_y, w2, saved, act, out=grad_z)
+    check_dgrad(grad_z, grad_b, grad_y, w2, saved, act)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -50,15 +50,15 @@ def test_layernorm_fold_forward_large_and_odd(dtype, act, M, K, N, mean):
     x = (torch.randn(M, K, device="cuda") + mean).to(dtype)
     w = (torch.randn(rows, K, device="cuda") * K ** -0.5).to(dtype)
     b, g, beta = (torch.randn(n, device="cuda", dtype=dtype) for n in (rows, K, K))
-    out, pre = poisoned((M, N), dtype, "cuda"), poisoned((M, rows), dtype, "cuda")
-    ln_linear_act_forward(x, g, beta, 1e-5, w, b, act, out=out, pre=pre)
+    out, saved = poisoned((M, N), dtype, "cuda"), poisoned((M, rows), dtype, "cuda")
+    ln_linear_act_forward(x, g, beta, 1e-5, w, b, act, out=out, saved=saved)
     # The reference: LayerNorm in float64, then the same check as the unfolded kernel (same-dtype eager
     # error measured on the normalized input).
     z64 = torch.nn.functional.layer_norm(x.double(), (K,), g.double(), beta.double(), 1e-5)
     z_eager = torch.nn.functional.layer_norm(x, (K,), g, beta, 1e-5)
     ref = torch.addmm(b.double(), z64, w.double().t())
     eager = torch.addmm(b, z_eager, w.t())
-    assert_no_worse_than_eager(pre, eager, ref, "pre-activation")
+    check_saved(saved, eager, ref, act)
 
 
 @pytest.mark.parametrize("fuse_ln", [False, True])

@@ -29,23 +29,39 @@ def make(shape, dtype, scale=1.0, gen=None):
 def test_linear_act_forward(act, dtype, M, K, N):
     gated = act in GATED_ACTIVATIONS
     x, w, b = make((M, K), dtype), make(((2 if gated else 1) * N, K), dtype, K ** -0.5), make(((2 if gated else 1) * N,), dtype)
-    out, pre = poisoned((M, N), dtype, DEVICE), poisoned((M, w.shape[0]), dtype, DEVICE)
-    linear_act_forward(x, w, b, act, out=out, pre=pre)
-    check_linear_act(out, pre, x, w, b, act)
+    out, saved = poisoned((M, N), dtype, DEVICE), poisoned((M, w.shape[0]), dtype, DEVICE)
+    linear_act_forward(x, w, b, act, out=out, saved=saved)
+    check_linear_act(out, saved, x, w, b, act)
 
 
 @pytest.mark.parametrize("act", ALL_ACTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,K,N", SHAPES)
 def test_dgrad(act, dtype, M, K, N):
-    """grad_pre = (grad_y @ W2) * act'(pre) and its column sums (the first linear's bias gradient)."""
+    """grad_z = (grad_y @ W2) * act'(z) and its column sums (the first linear's bias gradient), from the saved
+    tensor: [z_gate | z_up] for a gated activation, act'(z) itself for a plain one (any values will do)."""
     gated = act in GATED_ACTIVATIONS
     grad_y, w2 = make((M, K), dtype), make((K, N), dtype, K ** -0.5)
-    pre = make((M, (2 if gated else 1) * N), dtype)
-    out = poisoned(pre.shape, dtype, DEVICE)
-    grad_pre, grad_bias = linear_act_dgrad(grad_y, w2, pre, act, out=out)
-    assert grad_pre is out
-    check_dgrad(grad_pre, grad_bias, grad_y, w2, pre, act)
+    saved = make((M, (2 if gated else 1) * N), dtype)
+    out = poisoned(saved.shape, dtype, DEVICE)
+    grad_z, grad_bias = linear_act_dgrad(grad_y, w2, saved, act, out=out)
+    assert grad_z is out
+    check_dgrad(grad_z, grad_bias, grad_y, w2, saved, act)
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu2", "swiglu", "sigmoid_tanh"])
+@pytest.mark.parametrize("M,K,N", [(37, 45, 70), (64, 32, 32)])
+def test_whole_tile_epilogue(act, M, K, N, monkeypatch):
+    """Configs may run the epilogue on the whole tile instead of half its columns at a time (SPLIT_EPILOGUE
+    off): that path computes the same outputs."""
+    import fused_ops.tuning as tuning
+
+    whole = tuning._config(32, 32, 32, 4, 1, group_m=2, split=False)
+    monkeypatch.setattr(tuning, "matmul_configs", lambda gated=False: [whole])
+    monkeypatch.setattr(tuning, "_best", {})
+    test_linear_act_forward(act, torch.float32, M, K, N)
+    test_dgrad(act, torch.float32, M, K, N)
+    assert all(not cfg.kwargs["SPLIT_EPILOGUE"] for _, _, cfg, _ in tuning.TUNING_LOG[-2:])
 
 
 TMA_SHAPES = [(1, 16, 16), (37, 48, 72), (70, 96, 40)]  # 16-byte aligned rows (TMA's rule), sizes not block multiples
@@ -71,15 +87,15 @@ def test_tma_main_loop(act, dtype, M, K, N, layout, monkeypatch):
     arrange = (lambda t: t.t().contiguous().t()) if layout == "column-major" else (lambda t: t)
     x, w, b = make((M, K), dtype), arrange(make(((2 if gated else 1) * N, K), dtype, K ** -0.5)), make(((2 if gated else 1) * N,), dtype)
     assert fused_ops.matmul.tma_operands(x, w.t())[0], "this case must take the TMA path"
-    out, pre = poisoned((M, N), dtype, DEVICE), poisoned((M, w.shape[0]), dtype, DEVICE)
-    linear_act_forward(x, w, b, act, out=out, pre=pre)
-    check_linear_act(out, pre, x, w, b, act)
+    out, saved = poisoned((M, N), dtype, DEVICE), poisoned((M, w.shape[0]), dtype, DEVICE)
+    linear_act_forward(x, w, b, act, out=out, saved=saved)
+    check_linear_act(out, saved, x, w, b, act)
 
     grad_y, w2 = make((M, K), dtype), arrange(make((K, N), dtype, K ** -0.5))
     assert fused_ops.matmul.tma_operands(grad_y, w2)[0], "this case must take the TMA path"
-    grad_pre = poisoned(pre.shape, dtype, DEVICE)
-    _, grad_bias = linear_act_dgrad(grad_y, w2, pre, act, out=grad_pre)
-    check_dgrad(grad_pre, grad_bias, grad_y, w2, pre, act)
+    grad_z = poisoned(saved.shape, dtype, DEVICE)
+    _, grad_bias = linear_act_dgrad(grad_y, w2, saved, act, out=grad_z)
+    check_dgrad(grad_z, grad_bias, grad_y, w2, saved, act)
 
 
 def test_tma_falls_back_to_pointers_for_unaligned_rows(monkeypatch):
@@ -89,9 +105,9 @@ def test_tma_falls_back_to_pointers_for_unaligned_rows(monkeypatch):
     monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "1")
     x, w, b = make((37, 45), torch.float32), make((70, 45), torch.float32, 0.15), make((70,), torch.float32)
     assert fused_ops.matmul.tma_operands(x, w.t())[0] == []
-    out, pre = poisoned((37, 70), torch.float32, DEVICE), poisoned((37, 70), torch.float32, DEVICE)
-    linear_act_forward(x, w, b, "gelu", out=out, pre=pre)
-    check_linear_act(out, pre, x, w, b, "gelu")
+    out, saved = poisoned((37, 70), torch.float32, DEVICE), poisoned((37, 70), torch.float32, DEVICE)
+    linear_act_forward(x, w, b, "gelu", out=out, saved=saved)
+    check_linear_act(out, saved, x, w, b, "gelu")
 
 
 def _mlp_tensors(dtype, act, M=33, C=40, H=72, bias=True, shape=None):
@@ -208,8 +224,8 @@ def test_strided_bias_and_buffers_are_rejected_not_misread():
     wide = torch.empty(M, 2 * N, device=DEVICE)
     with pytest.raises(ValueError, match="out must have unit column stride"):
         linear_act_forward(x, w_fc, b_fc, "gelu", out=wide[:, ::2])
-    with pytest.raises(ValueError, match="pre must have shape"):
-        linear_act_forward(x, w_fc, b_fc, "gelu", pre=torch.empty(M, N + 1, device=DEVICE))
-    pre = make((M, N), torch.float32)
-    with pytest.raises(ValueError, match="pre must have unit column stride"):
-        linear_act_dgrad(make((M, 40), torch.float32), w_proj, torch.repeat_interleave(pre, 2, dim=1)[:, ::2], "gelu")
+    with pytest.raises(ValueError, match="saved must have shape"):
+        linear_act_forward(x, w_fc, b_fc, "gelu", saved=torch.empty(M, N + 1, device=DEVICE))
+    saved = make((M, N), torch.float32)
+    with pytest.raises(ValueError, match="saved must have unit column stride"):
+        linear_act_dgrad(make((M, 40), torch.float32), w_proj, torch.repeat_interleave(saved, 2, dim=1)[:, ::2], "gelu")

@@ -13,7 +13,7 @@ from fused_ops.layernorm import layernorm_backward
 from fused_ops.linear_act import ln_linear_act_forward
 from fused_ops.mlp import FusedMLPFunction, fused_mlp
 from model import GATED_ACTIVATIONS, GPT, GPTConfig
-from numerics import assert_no_worse_than_eager, eager_act, poisoned, rel_err
+from numerics import assert_no_worse_than_eager, check_saved, eager_act, poisoned, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -43,13 +43,13 @@ def test_ln_linear_act_forward(act, dtype, M, K, N, mean):
     rows = (2 if act in GATED_ACTIVATIONS else 1) * N
     x, w, b = make((M, K), dtype, 1.0, mean), make((rows, K), dtype, K ** -0.5), make((rows,), dtype)
     g, beta = ln_params(K, dtype)
-    out, pre = poisoned((M, N), dtype, DEVICE), poisoned((M, rows), dtype, DEVICE)
-    _, _, stats = ln_linear_act_forward(x, g, beta, EPS, w, b, act, out=out, pre=pre)
+    out, saved = poisoned((M, N), dtype, DEVICE), poisoned((M, rows), dtype, DEVICE)
+    _, _, stats = ln_linear_act_forward(x, g, beta, EPS, w, b, act, out=out, saved=saved)
 
     x64 = x.double()
     z64 = F.linear(F.layer_norm(x64, (K,), g.double(), beta.double(), EPS), w.double(), b.double())
     z_eager = F.linear(F.layer_norm(x, (K,), g, beta, EPS), w, b)
-    assert_no_worse_than_eager(pre, z_eager, z64, "pre-activation")
+    check_saved(saved, z_eager, z64, act)
     assert_no_worse_than_eager(out, eager_act(act, z_eager), eager_act(act, z64), "output")
     assert (stats[0] - x64.mean(1)).abs().max() <= 1e-6 * x64.abs().max()  # fp32 statistics
     assert rel_err(stats[1], (x64.var(1, unbiased=False) + EPS).rsqrt()) < 1e-5

@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fused_ops.activations import activation
+from fused_ops.activations import activation, activation_grad
 from fused_ops.matmul import tile_ids
 
 
@@ -48,7 +48,10 @@ def probe_kernel(a_desc, b_desc, bias_ptr, pre_ptr, out_ptr, pre_desc, out_desc,
     offs_n = off_n + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     ptrs = offs_m[:, None] * N + offs_n[None, :]
-    if EPI == 0:  # bare: one store, no bias
+    if EPI == 4:  # dgrad-like: multiply by gelu' of the saved pre-activation (pre_ptr is an input here)
+        z = tl.load(pre_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+        out = acc * activation_grad(z, "gelu")
+    elif EPI == 0:  # bare: one store, no bias
         out = acc
     else:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -66,6 +69,10 @@ def probe_kernel(a_desc, b_desc, bias_ptr, pre_ptr, out_ptr, pre_desc, out_desc,
         out_desc.store([off_m, off_n], out.to(out_desc.dtype))
     else:
         tl.store(out_ptr + ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_grad(z):
+    return 0.5 * (1 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327
 
 
 def main():
@@ -92,13 +99,17 @@ def main():
     # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, maxnreg)
     configs = [(128, 256, 64, 8, 3, None), (128, 128, 64, 8, 4, None), (128, 128, 64, 4, 3, None),
                (128, 128, 64, 4, 4, None), (128, 128, 32, 4, 6, None), (128, 128, 64, 8, 3, 128),
-               (128, 64, 64, 4, 4, None), (64, 256, 64, 4, 3, None)]
-    for epi, name in ((0, "bare"), (1, "bias+gelu+save"), (2, "bias+fast-erf gelu+save"), (3, "bias+save (no act)")):
+               (128, 64, 64, 4, 4, None), (64, 256, 64, 4, 3, None), (256, 128, 64, 8, 3, None),
+               (128, 256, 64, 8, 4, None)]
+    pre_saved = (pre_ref.to(dt))
+    dgrad_ref = (x.float() @ w.float().T) * gelu_grad(pre_saved.float())
+    for epi, name in ((0, "bare"), (1, "bias+gelu+save"), (2, "bias+fast-erf gelu+save"), (3, "bias+save (no act)"),
+                      (4, "dgrad: mm * gelu'(pre)")):
         for tma_store in (False, True):
             for bm, bn, bk, warps, stages, maxnreg in configs:
                 label = f"{bm}x{bn}x{bk} w{warps} s{stages}" + (f" r{maxnreg}" if maxnreg else "") + \
                     (" tma-st" if tma_store else " ptr-st")
-                pre = torch.full((M, H), float("nan"), device=dev, dtype=dt)
+                pre = pre_saved if epi == 4 else torch.full((M, H), float("nan"), device=dev, dtype=dt)
                 out = torch.full((M, H), float("nan"), device=dev, dtype=dt)
                 a_d = TensorDescriptor.from_tensor(x, [bm, bk])
                 b_d = TensorDescriptor.from_tensor(wt, [bk, bn])
@@ -114,7 +125,7 @@ def main():
                 try:
                     ck = run()
                     torch.cuda.synchronize()
-                    ref = {0: pre_ref - b.float(), 1: gelu_ref, 2: gelu_ref, 3: pre_ref}[epi]
+                    ref = {0: pre_ref - b.float(), 1: gelu_ref, 2: gelu_ref, 3: pre_ref, 4: dgrad_ref}[epi]
                     err = (out.float() - ref).abs().max().item()
                     t = do_bench(run, warmup=25, rep=300)
                 except Exception as e:  # noqa: BLE001

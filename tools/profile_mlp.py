@@ -69,10 +69,10 @@ def main():
                 continue
             fwd_c = dict(common, LN_FOLD=False, TMA=bool(fwd_desc), B_KMAJOR=fwd_kmajor)
             for c in matmul_configs(gated):
-                f = time_config(linear_act_kernel, M, H, C, fwd_args, dict(fwd_c, HAS_BIAS=True, SAVE_PRE=True), c,
+                f = time_config(linear_act_kernel, M, H, C, fwd_args, dict(fwd_c, HAS_BIAS=True, SAVE=True), c,
                                 fwd_desc)
                 bare = time_config(linear_act_kernel, M, H, C, fwd_args,
-                                   dict(fwd_c, HAS_BIAS=False, SAVE_PRE=False, ACTIVATION="identity"), c, fwd_desc)
+                                   dict(fwd_c, HAS_BIAS=False, SAVE=False, ACTIVATION="identity"), c, fwd_desc)
                 print(f"  fwd   {loop:7s} {c.kwargs} w{c.num_warps} s{c.num_stages} r{getattr(c, 'maxnreg', None)}: "
                       f"{fmt(f, mm_fc)}   bare matmul {fmt(bare, mm_fc)}")
             for c in matmul_configs(False):
@@ -84,9 +84,9 @@ def main():
                       f"{fmt(d, mm_dg)}")
 
         # Launch overhead of the autotuned launcher (tuned on the first call).
-        linear_act_forward(x, w1, b1, act, out=out, pre=pre)
-        t_bench = do_bench(lambda: linear_act_forward(x, w1, b1, act, out=out, pre=pre), return_mode="median")
-        t_graph = do_bench_cudagraph(lambda: linear_act_forward(x, w1, b1, act, out=out, pre=pre))
+        linear_act_forward(x, w1, b1, act, out=out, saved=pre)
+        t_bench = do_bench(lambda: linear_act_forward(x, w1, b1, act, out=out, saved=pre), return_mode="median")
+        t_graph = do_bench_cudagraph(lambda: linear_act_forward(x, w1, b1, act, out=out, saved=pre))
         xs = x[:64]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
