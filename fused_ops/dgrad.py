@@ -1,11 +1,11 @@
 """dgrad: the input gradient of the MLP's second linear with the activation derivative fused in.
 
-For h = act(z) and y = h @ W2.T, backward needs grad_z = (grad_y @ W2) * act'(z). Computing
+For h = act(z) and y = h @ W2.T, backward needs grad_z = (grad_y @ W2) * dh/dz. Computing
 grad_h = grad_y @ W2 in a matmul and multiplying in its epilogue means grad_h is never written to memory
-and read back. The forward kernel saved what this epilogue needs (see linear_act.py):
-    plain activation:  saved = act'(z), so grad_z = grad_h * saved (no transcendental here);
-    gated, h = gate_act(g) * up_act(u), saved = [g | u]:
-        grad_g = grad_h * up_act(u) * gate_act'(g),   grad_u = grad_h * gate_act(g) * up_act'(u).
+and read back. The forward kernel saved dh/dz (see linear_act.py), so the epilogue is one multiply:
+    plain activation:  saved = act'(z),              grad_z = grad_h * saved
+    gated activation:  saved = [dh/dg | dh/du],      grad_g = grad_h * dh/dg,  grad_u = grad_h * dh/du
+No activation is evaluated here, so one compiled kernel serves every activation.
 The first linear's bias gradient (column sums of grad_z) is reduced in the same epilogue: each
 tile writes the column sums of its rows to its own row of a small fp32 buffer (deterministic, no
 atomics), and a final sum over those rows replaces a whole extra pass over grad_z.
@@ -15,43 +15,35 @@ import torch
 import triton
 import triton.language as tl
 
-from .activations import activation, activation_grad, kernel_activations
+from .activations import kernel_activations
 from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, split_columns, tile_ids, tma_operands
-from .tuning import launch_matmul, matmul_configs
+from . import tuning
+from .tuning import launch_matmul
 
 
 @triton.jit
-def dgrad_epilogue(grad_h, offs_m, offs_n, pid_m, M, N, saved_ptr, out_ptr, dbias_ptr,
-                   stride_sm, stride_om, stride_dbm, ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr,
-                   GATED: tl.constexpr, BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, INT64: tl.constexpr):
-    """grad_z for output columns offs_n of a tile, and their column sums (the bias gradient's share)."""
+def dgrad_epilogue(grad_h, offs_m, offs_n, pid_m, M, N, saved_ptr, out_ptr, dbias_ptr, stride_sm, stride_om,
+                   stride_dbm, GATED: tl.constexpr, BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                   INT64: tl.constexpr):
+    """grad_z for output columns offs_n of a tile (both halves when gated), and their column sums."""
     n_mask = offs_n < N
     mask = (offs_m < M)[:, None] & n_mask[None, :]
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
     saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :]
     out_ptrs = out_ptr + rows * stride_om + offs_n[None, :]
-    if GATED:
-        z = tl.load(saved_ptrs, mask=mask, other=0.0).to(ACC_DTYPE)
-        z_up = tl.load(saved_ptrs + N, mask=mask, other=0.0).to(ACC_DTYPE)
-        grad = grad_h * activation(z_up, UP_ACTIVATION) * activation_grad(z, ACTIVATION)
-        grad_up = grad_h * activation(z, ACTIVATION) * activation_grad(z_up, UP_ACTIVATION)
-        tl.store(out_ptrs + N, grad_up.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        grad = grad_h * tl.load(saved_ptrs, mask=mask, other=0.0).to(ACC_DTYPE)
-    tl.store(out_ptrs, grad.to(out_ptr.dtype.element_ty), mask=mask)
-    if BIAS_GRAD:  # this tile's column sums; rows past M are zeros (their A rows and saved values load as 0)
-        dbias_ptrs = dbias_ptr + pid_m * stride_dbm + offs_n
-        tl.store(dbias_ptrs, tl.sum(grad, axis=0).to(dbias_ptr.dtype.element_ty), mask=n_mask)
-        if GATED:
-            tl.store(dbias_ptrs + N, tl.sum(grad_up, axis=0).to(dbias_ptr.dtype.element_ty), mask=n_mask)
+    dbias_ptrs = dbias_ptr + pid_m * stride_dbm + offs_n
+    for half in tl.static_range(2 if GATED else 1):  # gated: the gate half, then the up half N columns on
+        grad = grad_h * tl.load(saved_ptrs + half * N, mask=mask, other=0.0).to(ACC_DTYPE)
+        tl.store(out_ptrs + half * N, grad.to(out_ptr.dtype.element_ty), mask=mask)
+        if BIAS_GRAD:  # this tile's column sums; rows past M are zeros (their saved values load as 0)
+            tl.store(dbias_ptrs + half * N, tl.sum(grad, axis=0).to(dbias_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def dgrad_kernel(
     g_ptr, w_ptr, saved_ptr, out_ptr, dbias_ptr, M, N, K,
     stride_gm, stride_gk, stride_wk, stride_wn, stride_sm, stride_om, stride_dbm,
-    ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-    BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    GATED: tl.constexpr, BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, INT64: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -67,26 +59,23 @@ def dgrad_kernel(
     if SPLIT_EPILOGUE:  # one half of the tile's columns at a time
         left, right = split_columns(grad_h, BLOCK_M, BLOCK_N)
         dgrad_epilogue(left, offs_m, pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2), pid_m, M, N, saved_ptr, out_ptr,
-                       dbias_ptr, stride_sm, stride_om, stride_dbm, ACTIVATION, UP_ACTIVATION, GATED, BIAS_GRAD,
-                       ACC_DTYPE, INT64)
+                       dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
         dgrad_epilogue(right, offs_m, pid_n * BLOCK_N + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2), pid_m, M, N, saved_ptr,
-                       out_ptr, dbias_ptr, stride_sm, stride_om, stride_dbm, ACTIVATION, UP_ACTIVATION, GATED,
-                       BIAS_GRAD, ACC_DTYPE, INT64)
+                       out_ptr, dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
     else:
         dgrad_epilogue(grad_h, offs_m, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pid_m, M, N, saved_ptr, out_ptr,
-                       dbias_ptr, stride_sm, stride_om, stride_dbm, ACTIVATION, UP_ACTIVATION, GATED, BIAS_GRAD,
-                       ACC_DTYPE, INT64)
+                       dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
 
 
 def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
-    """grad_z = (grad_y @ w2) * act'(z) from what linear_act_forward saved, and the bias gradient
+    """grad_z = (grad_y @ w2) * dh/dz from what linear_act_forward saved, and the bias gradient
     sum(grad_z, 0) if bias_grad.
 
-    grad_y: (M, C) of any strides; w2: (C, H) of any strides; saved: unit column stride, (M, H) = act'(z)
-    for a plain activation or (M, 2H) = [z_gate | z_up] for a gated one. Returns (grad_z shaped like
-    saved, bias gradient (saved.shape[1],) in fp32/fp64 or None).
+    grad_y: (M, C) of any strides; w2: (C, H) of any strides; saved: dh/dz with unit column stride, (M, H)
+    for a plain activation, (M, 2H) = [dh/dgate | dh/dup] for a gated one (activation only says which).
+    Returns (grad_z shaped like saved, bias gradient (saved.shape[1],) in fp32/fp64 or None).
     """
-    act, up_act, gated = kernel_activations(activation)
+    gated = kernel_activations(activation)[2]
     M, K = grad_y.shape
     N = w2.shape[1]
     check_buffer("saved", saved, (M, (2 if gated else 1) * N))
@@ -98,17 +87,17 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
         return out, (torch.zeros(saved.shape[1], device=saved.device, dtype=sum_dtype) if bias_grad else None)
     # One row of column sums per row-tile, sized for the smallest BLOCK_M any config may use and read
     # back only as far as the config that ran wrote.
-    smallest_block_m = min(c.kwargs["BLOCK_M"] for c in matmul_configs())
+    smallest_block_m = min(c.kwargs["BLOCK_M"] for c in tuning.matmul_configs(False, grad_y.dtype))
     partial = torch.empty((triton.cdiv(M, smallest_block_m), saved.shape[1]), device=saved.device, dtype=sum_dtype) \
         if bias_grad else out
     args = (grad_y, w2, saved, out, partial, M, N, K, grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1),
             saved.stride(0), out.stride(0), partial.stride(0))
     descriptors, b_kmajor = tma_operands(grad_y, w2)
-    consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, BIAS_GRAD=bias_grad,
+    consts = dict(GATED=gated, BIAS_GRAD=bias_grad,
                   ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(grad_y, w2, saved, out),
                   TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("dgrad", N, K, grad_y.dtype, w2.stride(), grad_y.device, *consts.values())
-    cfg = launch_matmul(dgrad_kernel, M, N, K, args, consts, False, grad_y.device, key,
+    cfg = launch_matmul(dgrad_kernel, M, N, K, args, consts, False, grad_y.dtype, key,
                         descriptors=descriptors)
     if not bias_grad:
         return out, None

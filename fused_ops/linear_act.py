@@ -4,9 +4,11 @@ Plain:  out = act(x @ W.T + b)                        W: (N, K)
 Gated:  out = gate_act(x @ Wg.T + bg) * up_act(x @ Wu.T + bu), with W = [Wg; Wu]: (2N, K)
         Both halves of an output tile are computed by the same program from one read of x (two
         accumulators), so the gate and up projections never travel through global memory separately.
-When backward will need it, the kernel also saves what backward needs and no more: for a plain activation
-the derivative act'(z) (computed here, beside act(z), it shares GELU's erf; backward then multiplies by
-it and runs no transcendental), for a gated one both pre-activation halves [z_gate | z_up].
+When backward will need it, the kernel also saves the local derivative of the output, dh/dz, and nothing
+else: act'(z) for a plain activation; [up_act(u)·gate_act'(g) | gate_act(g)·up_act'(u)] for a gated one
+(h = gate_act(g)·up_act(u) depends on g and u elementwise). Computed here, beside h, it shares work with it
+(GELU's erf, SiLU's sigmoid), and backward's dgrad kernel only multiplies: no transcendental there, and it
+reads exactly as many values as it would read of z.
 
 LayerNorm fold (ln_linear_act_forward): act(LN(x) @ W.T + b) from the raw x. With W' = W·diag(γ),
 colsum = W' summed over inputs and b' = b + W β:
@@ -40,12 +42,14 @@ def linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr
     if GATED:
         out = out * activation(z_up, UP_ACTIVATION)
     tl.store(out_ptr + rows * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
-    if SAVE:
+    if SAVE:  # dh/dz, what backward needs (see the module docstring)
         saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :]
-        if GATED:  # backward needs gate_act, up_act and both derivatives: keep both pre-activations
-            tl.store(saved_ptrs, z.to(saved_ptr.dtype.element_ty), mask=mask)
-            tl.store(saved_ptrs + N, z_up.to(saved_ptr.dtype.element_ty), mask=mask)
-        else:  # backward needs only act'(z); computed here it shares work with act(z) (GELU's erf)
+        if GATED:
+            dh_dgate = activation(z_up, UP_ACTIVATION) * activation_grad(z, ACTIVATION)
+            dh_dup = activation(z, ACTIVATION) * activation_grad(z_up, UP_ACTIVATION)
+            tl.store(saved_ptrs, dh_dgate.to(saved_ptr.dtype.element_ty), mask=mask)
+            tl.store(saved_ptrs + N, dh_dup.to(saved_ptr.dtype.element_ty), mask=mask)
+        else:
             tl.store(saved_ptrs, activation_grad(z, ACTIVATION).to(saved_ptr.dtype.element_ty), mask=mask)
 
 
@@ -98,8 +102,8 @@ def linear_act_forward(x, weight, bias, activation, save=True, out=None, saved=N
     """Launch the kernel on a 2-D x (M, K) of any strides. Returns (out (M, N), saved or None).
 
     weight: (N, K), or (2N, K) = [gate; up] for a gated activation; bias: matching (N,) / (2N,) or None.
-    saved (if save): what backward needs, shaped like the pre-activation (M, weight.shape[0]): act'(z)
-    for a plain activation, z = [z_gate | z_up] for a gated one (see the module docstring).
+    saved (if save): dh/dz, what backward needs, shaped like the pre-activation (M, weight.shape[0]):
+    act'(z) for a plain activation, [dh/dz_gate | dh/dz_up] for a gated one (see the module docstring).
     out / saved: optional preallocated outputs with unit column stride (tests poison them to catch
     unwritten elements). Arguments are assumed validated (see fused_ops.mlp.check_mlp_args).
     """
@@ -158,6 +162,6 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
                   LN_FOLD=ln is not None, ACC_DTYPE=acc_dtype, PRECISION=precision,
                   INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("linear_act", N, K, x.dtype, weight.stride(), x.device, *consts.values())
-    launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, x.device, key,
+    launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, x.dtype, key,
                   descriptors=descriptors)
     return out, (saved if save else None), stats

@@ -4,6 +4,8 @@ Each kernel calls `matmul_loop` for its output tile, then applies its own epilog
 activation derivative, ...) while the accumulator is still in registers.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -133,7 +135,13 @@ def tma_available(device):
         return False
     if INTERPRET:
         return TMA_MODE == "1"
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cuda" and _capability(device.index) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    """Compute capability, asked once per device (it sits on every launch's path)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def _tma_readable(t):
@@ -175,8 +183,13 @@ def dot_settings(dtype):
 
 def needs_int64(*tensors):
     """64-bit offsets only when some tensor's largest element offset reaches 2**31 (32-bit math is faster)."""
-    return any(t is not None and t.numel() > 0 and
-               sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2 ** 31 for t in tensors)
+    return any(t is not None and _largest_offset(t) >= 2 ** 31 for t in tensors)
+
+
+def _largest_offset(t):
+    if t.is_contiguous():  # the common case, without a Python loop (this runs on every launch)
+        return t.numel() - 1
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) if t.numel() > 0 else 0
 
 
 def check_buffer(name, t, shape):

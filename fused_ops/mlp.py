@@ -15,7 +15,7 @@ Backward:  grad_ln = grad_z @ W1                           (cuBLAS)
 
 import torch
 
-from model import MLP, GATED_ACTIVATIONS
+from model import MLP
 
 from .activations import kernel_activations
 from .ops import dgrad_op, layernorm_backward_op, linear_act_op, ln_linear_act_op
@@ -92,12 +92,8 @@ class LinearActFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2, weight, saved = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        if ctx.activation in GATED_ACTIVATIONS:  # saved = [z_gate | z_up]: PyTorch's autograd of the eager gate
-            with torch.enable_grad():
-                z = saved.detach().requires_grad_()
-                (grad_pre,) = torch.autograd.grad(GATED_ACTIVATIONS[ctx.activation](*z.chunk(2, dim=-1)), z, g)
-        else:  # saved = act'(z)
-            grad_pre = g * saved
+        # saved = dh/dz: act'(z), or [dh/dgate | dh/dup] for a gated activation
+        grad_pre = (g.repeat(1, 2) if kernel_activations(ctx.activation)[2] else g) * saved
         grad_x = (grad_pre @ weight).view(*grad_out.shape[:-1], x2.shape[1]) if ctx.needs_input_grad[0] else None
         grad_w = grad_pre.t() @ x2 if ctx.needs_input_grad[1] else None
         grad_b = grad_pre.sum(0) if ctx.needs_input_grad[2] else None

@@ -43,7 +43,7 @@ def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None, s
     return cfg
 
 
-def matmul_configs(gated=False):
+def matmul_configs(gated=False, dtype=None):
     """Candidate tiles for the fused matmul kernels. Gated kernels hold two accumulators, so their tiles are smaller.
 
     On an H100 (tools/overlap_probe.py, notes/perf.md) what decides is whether the epilogue spills and
@@ -73,6 +73,12 @@ def matmul_configs(gated=False):
             _config(64, 128, 64, 4, 4),
             _config(64, 64, 64, 4, 4, split=False),
         ]
+    if dtype is not None and dtype.itemsize >= 4:
+        # fp32/fp64 operands take twice the shared memory per tile (BLOCK_K halved to fit), and an exact
+        # fp32 dot runs on the FMA units, whose accumulator layout splits only through shared memory
+        # (a 128x256 tile asked for 256 KB on an H100): the whole-tile epilogue there.
+        configs = [_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], 32, c.num_warps, c.num_stages,
+                           c.kwargs["GROUP_M"], c.maxnreg, split=False) for c in configs]
     return configs if AUTOTUNE else configs[:1]
 
 
@@ -97,7 +103,7 @@ def run_config(kernel, M, N, K, args, consts, cfg, descriptors=()):
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
-def launch_matmul(kernel, M, N, K, args, consts, gated, device, key, descriptors=()):
+def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=()):
     """run_config with the tuned config for `key`, tuning on first use.
 
     Returns the config used (callers that size buffers per row-tile need its BLOCK_M).
@@ -107,7 +113,7 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, device, key, descriptors
 
     cfg = _best.get(key)
     if cfg is None:
-        configs = matmul_configs(gated)
+        configs = matmul_configs(gated, dtype)
         t0 = time.perf_counter()
         if len(configs) == 1:
             cfg = configs[0]

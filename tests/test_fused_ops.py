@@ -38,8 +38,8 @@ def test_linear_act_forward(act, dtype, M, K, N):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,K,N", SHAPES)
 def test_dgrad(act, dtype, M, K, N):
-    """grad_z = (grad_y @ W2) * act'(z) and its column sums (the first linear's bias gradient), from the saved
-    tensor: [z_gate | z_up] for a gated activation, act'(z) itself for a plain one (any values will do)."""
+    """grad_z = (grad_y @ W2) * dh/dz and its column sums (the first linear's bias gradient), from the saved
+    dh/dz (any values will do: dgrad only multiplies by them)."""
     gated = act in GATED_ACTIVATIONS
     grad_y, w2 = make((M, K), dtype), make((K, N), dtype, K ** -0.5)
     saved = make((M, (2 if gated else 1) * N), dtype)
@@ -57,7 +57,7 @@ def test_whole_tile_epilogue(act, M, K, N, monkeypatch):
     import fused_ops.tuning as tuning
 
     whole = tuning._config(32, 32, 32, 4, 1, group_m=2, split=False)
-    monkeypatch.setattr(tuning, "matmul_configs", lambda gated=False: [whole])
+    monkeypatch.setattr(tuning, "matmul_configs", lambda gated=False, dtype=None: [whole])
     monkeypatch.setattr(tuning, "_best", {})
     test_linear_act_forward(act, torch.float32, M, K, N)
     test_dgrad(act, torch.float32, M, K, N)

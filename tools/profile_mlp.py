@@ -68,14 +68,14 @@ def main():
                 print("  (no TMA on this GPU / Triton)")
                 continue
             fwd_c = dict(common, LN_FOLD=False, TMA=bool(fwd_desc), B_KMAJOR=fwd_kmajor)
-            for c in matmul_configs(gated):
+            for c in matmul_configs(gated, dt):
                 f = time_config(linear_act_kernel, M, H, C, fwd_args, dict(fwd_c, HAS_BIAS=True, SAVE=True), c,
                                 fwd_desc)
                 bare = time_config(linear_act_kernel, M, H, C, fwd_args,
                                    dict(fwd_c, HAS_BIAS=False, SAVE=False, ACTIVATION="identity"), c, fwd_desc)
                 print(f"  fwd   {loop:7s} {c.kwargs} w{c.num_warps} s{c.num_stages} r{getattr(c, 'maxnreg', None)}: "
                       f"{fmt(f, mm_fc)}   bare matmul {fmt(bare, mm_fc)}")
-            for c in matmul_configs(False):
+            for c in matmul_configs(False, dt):
                 partial = torch.empty(triton.cdiv(M, c.kwargs["BLOCK_M"]), rows, device="cuda")
                 args = dg_args[:4] + (partial,) + dg_args[5:]
                 d = time_config(dgrad_kernel, M, H, C, args, dict(common, BIAS_GRAD=True, TMA=bool(dg_desc),
