@@ -78,7 +78,9 @@ def load_config(args):
     return model, args.batch_size or cfg.get("batch_size", 12)
 
 
-def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
+def make_step(model_args, state, mlp, compiled, batches, args, dtype):
+    """(model, step): the model built from `state` for one variant, and step(i), one training step on
+    batches[i % len(batches)] that returns the last micro-batch's loss tensor (no synchronization)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(mlp=mlp, dropout=0.0, **model_args)).to(args.device)
     model.load_state_dict(state)
@@ -86,6 +88,21 @@ def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
     step_model = torch.compile(model) if compiled else model
     device_type = args.device.split(":")[0]
     autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+
+    def step(i):
+        for x, y in batches[i % len(batches)]:
+            with autocast:
+                _, loss = step_model(x, y)
+            (loss / len(batches[0])).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return model, step
+
+
+def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
+    model, step = make_step(model_args, state, mlp, compiled, batches, args, dtype)
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -94,12 +111,7 @@ def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for x, y in batches[i % len(batches)]:
-            with autocast:
-                _, loss = step_model(x, y)
-            (loss / len(batches[0])).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step(i)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -112,17 +124,22 @@ def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
             "first_losses": losses[:3], "first_step_s": times[0]}
 
 
+def make_batches(model_args, batch_size, args):
+    """A few distinct step inputs (random ids: real-valued work, never zeros), cycled through."""
+    T, V = model_args.get("block_size", 1024), model_args["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    return [[tuple(torch.randint(0, V, (batch_size, T), generator=gen).to(args.device) for _ in range(2))
+             for _ in range(args.grad_accum)] for _ in range(4)]
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.mlp_widths:
         return mlp_widths(args)
     model_args, batch_size = load_config(args)
     dtype = pick_dtype(args)
-    T, V = model_args.get("block_size", 1024), model_args["vocab_size"]
-    gen = torch.Generator().manual_seed(0)
-    # A few distinct step inputs (random ids: real-valued work, never zeros), cycled through.
-    batches = [[tuple(torch.randint(0, V, (batch_size, T), generator=gen).to(args.device) for _ in range(2))
-                for _ in range(args.grad_accum)] for _ in range(4)]
+    T = model_args.get("block_size", 1024)
+    batches = make_batches(model_args, batch_size, args)
     torch.manual_seed(0)
     state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
     variants = [(m, c == "True") for c in args.compile.split(",") for m in args.mlps.split(",")]

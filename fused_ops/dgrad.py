@@ -85,18 +85,19 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
     if M == 0:
         return out, (torch.zeros(saved.shape[1], device=saved.device, dtype=sum_dtype) if bias_grad else None)
-    # One row of column sums per row-tile, sized for the smallest BLOCK_M any config may use and read
-    # back only as far as the config that ran wrote.
-    smallest_block_m = min(c.kwargs["BLOCK_M"] for c in tuning.matmul_configs(False, grad_y.dtype))
-    partial = torch.empty((triton.cdiv(M, smallest_block_m), saved.shape[1]), device=saved.device, dtype=sum_dtype) \
-        if bias_grad else out
-    args = (grad_y, w2, saved, out, partial, M, N, K, grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1),
-            saved.stride(0), out.stride(0), partial.stride(0))
     descriptors, b_kmajor = tma_operands(grad_y, w2)
     consts = dict(GATED=gated, BIAS_GRAD=bias_grad,
                   ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(grad_y, w2, saved, out),
                   TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("dgrad", N, K, grad_y.dtype, w2.stride(), grad_y.device, *consts.values())
+    # One row of column sums per row-tile of the tuned config (before tuning: of the smallest BLOCK_M any
+    # config may use), read back only as far as the config that ran wrote.
+    cfg = tuning.tuned_config(key)
+    block_m = cfg.kwargs["BLOCK_M"] if cfg else min(c.kwargs["BLOCK_M"] for c in tuning.matmul_configs(False, grad_y.dtype))
+    partial = torch.empty((triton.cdiv(M, block_m), saved.shape[1]), device=saved.device, dtype=sum_dtype) \
+        if bias_grad else out
+    args = (grad_y, w2, saved, out, partial, M, N, K, grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1),
+            saved.stride(0), out.stride(0), partial.stride(0))
     cfg = launch_matmul(dgrad_kernel, M, N, K, args, consts, False, grad_y.dtype, key,
                         descriptors=descriptors)
     if not bias_grad:

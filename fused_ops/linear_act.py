@@ -38,15 +38,15 @@ def linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr
         if GATED:
             z_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
-    out = activation(z, ACTIVATION)
-    if GATED:
-        out = out * activation(z_up, UP_ACTIVATION)
+    gate = activation(z, ACTIVATION)
+    up = activation(z_up, UP_ACTIVATION) if GATED else gate
+    out = gate * up if GATED else gate
     tl.store(out_ptr + rows * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
     if SAVE:  # dh/dz, what backward needs (see the module docstring)
         saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :]
         if GATED:
-            dh_dgate = activation(z_up, UP_ACTIVATION) * activation_grad(z, ACTIVATION)
-            dh_dup = activation(z, ACTIVATION) * activation_grad(z_up, UP_ACTIVATION)
+            dh_dgate = up * activation_grad(z, ACTIVATION)
+            dh_dup = gate * activation_grad(z_up, UP_ACTIVATION)
             tl.store(saved_ptrs, dh_dgate.to(saved_ptr.dtype.element_ty), mask=mask)
             tl.store(saved_ptrs + N, dh_dup.to(saved_ptr.dtype.element_ty), mask=mask)
         else:
@@ -146,18 +146,19 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
     stats = torch.empty((2, M), device=x.device, dtype=colsum.dtype) if ln is not None and save else None
     if M == 0:
         return out, (saved if save else None), stats
-    if x.is_cuda and M >= TRANSPOSE_WEIGHT_MIN_M and weight.stride(1) == 1:
-        # The tensor cores are fed faster from an N-major B = W.T; a row-major (N, K) weight is K-major.
-        # One transposed copy of W (a few us) saves more than that in the main loop once M is large
-        # (measured on an H100 only, M=12288, C=768, H=3072: a plain Triton matmul 1.42x -> 1.17x cuBLAS).
+    # The TMA loop reads x and W.T through descriptors, in either orientation of W at the same speed
+    # (H100, results/profile_mlp_h100.txt). The LayerNorm fold shifts x's rows in registers, so it keeps
+    # the pointer loop.
+    descriptors, b_kmajor = tma_operands(x, weight.t()) if ln is None else ([], False)
+    if not descriptors and x.is_cuda and M >= TRANSPOSE_WEIGHT_MIN_M and weight.stride(1) == 1:
+        # The pointer loop feeds the tensor cores faster from an N-major B = W.T; a row-major (N, K) weight
+        # is K-major. One transposed copy of W (a few us) saves more than that in the main loop once M is
+        # large (H100, M=12288, C=768, H=3072: a plain Triton matmul 1.42x -> 1.17x cuBLAS).
         weight = weight.t().contiguous().t()
     acc_dtype, precision = dot_settings(x.dtype)
     args = (x, weight, bias if bias is not None else weight, out, saved if save else out,
             colsum if ln is not None else weight, stats if stats is not None else out, eps, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), saved.stride(0) if save else 0)
-    # The TMA loop reads x and W.T through descriptors (the LayerNorm fold shifts x's rows in registers,
-    # so it keeps the pointer loop).
-    descriptors, b_kmajor = tma_operands(x, weight.t()) if ln is None else ([], False)
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, SAVE=save,
                   LN_FOLD=ln is not None, ACC_DTYPE=acc_dtype, PRECISION=precision,
                   INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor)

@@ -1,6 +1,6 @@
 """The fused MLP: autograd Functions over the kernels, and FusedMLP, a drop-in for model.MLP.
 
-Forward:   h, s = linear_act(x, W1, b1)         (Triton: matmul + bias + activation; s = act'(z), or z if gated)
+Forward:   h, s = linear_act(x, W1, b1)         (Triton: matmul + bias + activation; s = dh/dz, see linear_act.py)
            y = h @ W2.T + b2                     (cuBLAS, bias in its epilogue)
 Backward:  dW2 = grad_y.T @ h, db2 = grad_y.sum(0)       (cuBLAS)
            grad_z, db1 = linear_act_dgrad(grad_y, W2, s)  (Triton: matmul * act'(z), bias sums fused)

@@ -1,14 +1,16 @@
-"""The two kernels as PyTorch custom ops.
+"""The kernels as PyTorch operators (torch.ops.fused_mlp.*).
 
-torch.compile cannot look inside a Triton launcher that tunes and caches in Python; registered as custom
-ops with fake (shape-only) implementations, each kernel becomes one opaque node in the graph, and the rest
-of the model is compiled around it without a graph break (tested with fullgraph=True). The autograd
-Functions in mlp.py call these ops. Optional outputs that are not computed come back as empty tensors
-(a custom op returns a fixed number of tensors).
+torch.compile cannot look inside a Triton launcher that tunes and caches in Python; registered as
+operators with fake (shape-only) implementations, each kernel becomes one opaque node in the graph, and
+the rest of the model is compiled around it without a graph break (tested with fullgraph=True). The
+autograd Functions in mlp.py call these ops. Optional outputs that are not computed come back as empty
+tensors (an operator returns a fixed number of tensors).
 
-Outside torch.compile the launchers are called directly: the dispatcher's custom-op path (schema and
-output-aliasing checks) costs ~60 us of host time per call on the H100 machine (tools/launch_overhead.py),
-time the eager path would otherwise spend before the GPU gets its next kernel.
+They are defined with torch.library.Library and one implementation for every backend, not with
+torch.library.custom_op: custom_op wraps each call in a Python autograd layer and an output-aliasing
+check, ~10 us of host time per call on a fast CPU and ~50 us on the H100 machine, paid 24 times per
+GPT-2 step inside the compiled graph (tools/profile_step.py: the fused+compile step was host-bound).
+Outside torch.compile the launchers are called directly, skipping the dispatcher altogether.
 """
 
 from typing import Optional
@@ -21,23 +23,30 @@ from .dgrad import linear_act_dgrad
 from .layernorm import layernorm_backward
 from .linear_act import linear_act_forward, ln_linear_act_forward
 
+_LIBRARY = torch.library.Library("fused_mlp", "DEF")
+
 
 def fused_op(name):
-    """Register the decorated function as the custom op `name` and return a caller that goes through the
-    op only while torch.compile traces (where it must be one opaque node), and calls the function directly
-    otherwise. The op itself is the caller's `.op` (its fake implementation is registered there)."""
+    """Define the decorated function as the operator fused_mlp::`name` (schema from its type hints) and
+    return a caller that goes through the operator only while torch.compile traces (where it must be one
+    opaque node), and calls the function directly otherwise. The caller's `.op` is the operator;
+    `.register_fake` registers its shape-only implementation."""
     def wrap(fn):
-        op = torch.library.custom_op(name, mutates_args=())(fn)
+        _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        # The kernels run on CUDA tensors, or CPU ones under the interpreter: one implementation for all.
+        _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+        op = getattr(torch.ops.fused_mlp, name).default
 
         def call(*args):
             return op(*args) if torch.compiler.is_compiling() else fn(*args)
         call.op = op
+        call.register_fake = torch.library.register_fake(f"fused_mlp::{name}")
         call.__doc__ = fn.__doc__
         return call
     return wrap
 
 
-@fused_op("fused_mlp::linear_act")
+@fused_op("linear_act")
 def linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str,
                   save: bool) -> tuple[Tensor, Tensor]:
     """(act(x @ weight.T + bias), what backward needs or an empty tensor) for a 2-D x."""
@@ -45,27 +54,27 @@ def linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation:
     return out, saved if save else x.new_empty(0)
 
 
-@linear_act_op.op.register_fake
+@linear_act_op.register_fake
 def _linear_act_fake(x, weight, bias, activation, save):
     gated = kernel_activations(activation)[2]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     return x.new_empty(x.shape[0], n), x.new_empty(x.shape[0], weight.shape[0]) if save else x.new_empty(0)
 
 
-@fused_op("fused_mlp::dgrad")
+@fused_op("dgrad")
 def dgrad_op(grad_y: Tensor, w2: Tensor, saved: Tensor, activation: str, bias_grad: bool) -> tuple[Tensor, Tensor]:
     """((grad_y @ w2) * act'(z) from the forward's saved tensor, its column sums or an empty tensor)."""
     grad_z, grad_bias = linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=bias_grad)
     return grad_z, grad_bias if bias_grad else grad_y.new_empty(0)
 
 
-@dgrad_op.op.register_fake
+@dgrad_op.register_fake
 def _(grad_y, w2, saved, activation, bias_grad):
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
     return saved.new_empty(saved.shape), saved.new_empty(saved.shape[1], dtype=sum_dtype) if bias_grad else grad_y.new_empty(0)
 
 
-@fused_op("fused_mlp::ln_linear_act")
+@fused_op("ln_linear_act")
 def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float, weight: Tensor,
                      bias: Optional[Tensor], activation: str, save: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(act(LayerNorm(x) @ weight.T + bias), what backward needs, row stats (2, M)), the last two empty unless save."""
@@ -73,14 +82,14 @@ def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[T
     return (out, saved, stats) if save else (out, x.new_empty(0), x.new_empty(0))
 
 
-@ln_linear_act_op.op.register_fake
+@ln_linear_act_op.register_fake
 def _(x, ln_weight, ln_bias, eps, weight, bias, activation, save):
     out, saved = _linear_act_fake(x, weight, bias, activation, save)
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return out, saved, x.new_empty((2, x.shape[0]) if save else (0,), dtype=stats_dtype)
 
 
-@fused_op("fused_mlp::layernorm_backward")
+@fused_op("layernorm_backward")
 def layernorm_backward_op(x: Tensor, grad_ln: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor],
                           stats: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, recomputed LayerNorm output, dγ, dβ); dγ / dβ empty when there is no γ / β."""
@@ -88,7 +97,7 @@ def layernorm_backward_op(x: Tensor, grad_ln: Tensor, ln_weight: Optional[Tensor
     return dx, ln, x.new_empty(0) if grad_w is None else grad_w, x.new_empty(0) if grad_b is None else grad_b
 
 
-@layernorm_backward_op.op.register_fake
+@layernorm_backward_op.register_fake
 def _(x, grad_ln, ln_weight, ln_bias, stats):
     return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(0) if ln_weight is None else ln_weight.new_empty(ln_weight.shape),
             x.new_empty(0) if ln_bias is None else ln_bias.new_empty(ln_bias.shape))

@@ -5,17 +5,19 @@ load latency.
 
 Tuning is our own few lines rather than triton.autotune: the key holds the weight's shape (N, K), dtype
 and kernel flags, never M, so a new batch size reuses the tuned choice; after the first call a launch is
-a dict lookup and one kernel call (triton.autotune's per-call bookkeeping cost ~100 us of CPU per launch,
-as much as the kernel itself). TUNING_LOG records what was tuned, the choice and how long it took.
+a dict lookup and a call of the kept compiled kernel (see LaunchPlan; triton.autotune's per-call
+bookkeeping cost ~100 us of CPU per launch, as much as the kernel itself). TUNING_LOG records what was tuned, the choice and how long it took.
 
 Under TRITON_INTERPRET=1 (CPU tests) one small config keeps the interpreter fast and exercises masking.
 FUSED_OPS_AUTOTUNE=0 skips tuning and uses the first config (the test suite sets
 it: it compiles hundreds of kernel variants, and tuning each would take far longer than checking it).
 """
 
+import functools
 import os
 import time
 
+import torch
 import triton
 from triton.testing import do_bench
 
@@ -29,10 +31,12 @@ AUTOTUNE = os.environ.get("FUSED_OPS_AUTOTUNE", "1") == "1"
 # The TMA main loop (see matmul.matmul_loop): "auto" uses it on Hopper+ GPUs when the operands allow,
 # "0" never, "1" also under the interpreter (the CPU tests use it to check that path).
 TMA_MODE = os.environ.get("FUSED_OPS_TMA", "auto")
-TRANSPOSE_WEIGHT_MIN_M = 2048  # rows of x from which the forward kernel reads an N-major copy of W
+TRANSPOSE_WEIGHT_MIN_M = 2048  # rows of x from which the pointer-loop forward reads an N-major copy of W
 LAYERNORM_ROWS_PER_PROGRAM = 16  # rows one LayerNorm-backward program walks, summing its share of dγ, dβ
+# FUSED_OPS_DIRECT_LAUNCH=0 launches every kernel through Triton's JIT instead of a kept compiled kernel.
+DIRECT_LAUNCH = os.environ.get("FUSED_OPS_DIRECT_LAUNCH", "1") == "1"
 TUNING_LOG = []  # (kernel name, key, chosen config, seconds spent tuning)
-_best = {}
+_plans = {}  # tuning key -> LaunchPlan
 
 
 def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None, split=True):
@@ -43,6 +47,7 @@ def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None, s
     return cfg
 
 
+@functools.lru_cache(maxsize=None)  # called on launch paths: the Config objects are built once
 def matmul_configs(gated=False, dtype=None):
     """Candidate tiles for the fused matmul kernels. Gated kernels hold two accumulators, so their tiles are smaller.
 
@@ -88,7 +93,8 @@ def row_kernel_warps(block):
 
 
 def run_config(kernel, M, N, K, args, consts, cfg, descriptors=()):
-    """Launch a tiled matmul kernel (one program per output tile) with one config.
+    """Launch a tiled matmul kernel (one program per output tile) with one config, through Triton's JIT
+    (which compiles on first use). Returns what the launch returned (the compiled kernel on a GPU).
 
     descriptors: (position in args, tensor, names of its block dims) for operands the kernel reads
     through TMA: each becomes a tensor descriptor whose block is the config's tile.
@@ -98,21 +104,74 @@ def run_config(kernel, M, N, K, args, consts, cfg, descriptors=()):
     call_args = list(args)
     for i, t, block in descriptors:
         call_args[i] = TensorDescriptor.from_tensor(t, [meta[d] for d in block])
-    extra = {} if getattr(cfg, "maxnreg", None) is None or INTERPRET else {"maxnreg": cfg.maxnreg}
     return kernel[(tiles,)](*call_args, **consts, **meta, EVEN_K=K % meta["BLOCK_K"] == 0,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_compile_options(cfg))
+
+
+def _compile_options(cfg):
+    return {} if getattr(cfg, "maxnreg", None) is None or INTERPRET else {"maxnreg": cfg.maxnreg}
+
+
+def _specialization(args):
+    """What Triton specializes a compiled kernel on, for the runtime arguments: the 16-byte alignment of
+    each tensor, whether each integer is 1 or a multiple of 16 and whether it fits 32 bits, None-ness."""
+    spec = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            spec.append(a.data_ptr() % 16 == 0)
+        elif isinstance(a, int) and not isinstance(a, bool):
+            spec.append((a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31))
+        else:
+            spec.append(a is None)  # a float (eps), a tensor descriptor (typed by its block shape) or None
+    return tuple(spec)
+
+
+class LaunchPlan:
+    """One kernel at one tuning key: the tuned config and, on a GPU, its compiled kernels, called directly.
+
+    Triton's JIT launch re-derives on every call what is fixed per key (it binds ~35 arguments, builds a
+    cache key from them, looks the kernel up): ~30 us of host time per launch on the H100 machine, as much
+    as a short kernel runs. A plan keeps the compiled kernel of each argument specialization (see
+    _specialization) and launches it with the argument list in the kernel's parameter order. A new
+    specialization goes through the JIT once (compiling if needed) and is then kept.
+    """
+
+    def __init__(self, kernel, cfg, consts, K):
+        self.kernel, self.cfg = kernel, cfg
+        meta = cfg.kwargs
+        self.consts = {**consts, **meta, "EVEN_K": K % meta["BLOCK_K"] == 0}
+        self.compiled = {}
+        # Direct launches use the compiled kernel's runner (CompiledKernel[grid], Triton 3.x), which takes
+        # every parameter in order: ours put the runtime arguments first, then exactly these constexprs.
+        names = list(getattr(kernel, "arg_names", []))
+        tail = names[len(names) - len(self.consts):]
+        self.direct = DIRECT_LAUNCH and not INTERPRET and sorted(tail) == sorted(self.consts)
+        self.const_values = [self.consts[n] for n in tail] if self.direct else None
+
+    def launch(self, M, N, args, descriptors=()):
+        meta = self.cfg.kwargs
+        # (triton.cdiv is a constexpr function in newer Triton: slow to call from Python on a hot path)
+        grid = (-(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]), 1, 1)
+        args = list(args)
+        for i, t, block in descriptors:
+            args[i] = TensorDescriptor.from_tensor(t, [meta[d] for d in block])
+        if self.direct:
+            spec = _specialization(args)
+            compiled = self.compiled.get(spec)
+            if compiled is not None:
+                compiled[grid](*args, *self.const_values)
+                return
+        compiled = self.kernel[grid](*args, **self.consts, num_warps=self.cfg.num_warps,
+                                     num_stages=self.cfg.num_stages, **_compile_options(self.cfg))
+        if self.direct and hasattr(compiled, "__getitem__"):
+            self.compiled[spec] = compiled
 
 
 def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=()):
-    """run_config with the tuned config for `key`, tuning on first use.
-
-    Returns the config used (callers that size buffers per row-tile need its BLOCK_M).
-    """
-    def run(cfg):
-        run_config(kernel, M, N, K, args, consts, cfg, descriptors)
-
-    cfg = _best.get(key)
-    if cfg is None:
+    """Launch with the tuned config for `key` (tuning on first use: every candidate config timed with
+    run_config). Returns the config used (callers that size buffers per row-tile need its BLOCK_M)."""
+    plan = _plans.get(key)
+    if plan is None:
         configs = matmul_configs(gated, dtype)
         t0 = time.perf_counter()
         if len(configs) == 1:
@@ -121,12 +180,19 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=
             times = []
             for c in configs:
                 try:
-                    times.append(do_bench(lambda: run(c), warmup=5, rep=25, return_mode="median"))
+                    times.append(do_bench(lambda: run_config(kernel, M, N, K, args, consts, c, descriptors),
+                                          warmup=5, rep=25, return_mode="median"))
                 except Exception:  # e.g. a tile that needs more shared memory than this GPU has
                     times.append(float("inf"))
             cfg = configs[min(range(len(configs)), key=times.__getitem__)]
-        _best[key] = cfg
+        plan = _plans[key] = LaunchPlan(kernel, cfg, consts, K)
         TUNING_LOG.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), key, cfg,
                            time.perf_counter() - t0))
-    run(cfg)
-    return cfg
+    plan.launch(M, N, args, descriptors)
+    return plan.cfg
+
+
+def tuned_config(key):
+    """The config tuned for `key`, or None before its first launch."""
+    plan = _plans.get(key)
+    return plan.cfg if plan is not None else None

@@ -58,7 +58,7 @@ def test_whole_tile_epilogue(act, M, K, N, monkeypatch):
 
     whole = tuning._config(32, 32, 32, 4, 1, group_m=2, split=False)
     monkeypatch.setattr(tuning, "matmul_configs", lambda gated=False, dtype=None: [whole])
-    monkeypatch.setattr(tuning, "_best", {})
+    monkeypatch.setattr(tuning, "_plans", {})
     test_linear_act_forward(act, torch.float32, M, K, N)
     test_dgrad(act, torch.float32, M, K, N)
     assert all(not cfg.kwargs["SPLIT_EPILOGUE"] for _, _, cfg, _ in tuning.TUNING_LOG[-2:])

@@ -20,23 +20,38 @@ from fused_ops.activations import kernel_activations
 from fused_ops.dgrad import dgrad_kernel
 from fused_ops.linear_act import linear_act_kernel
 from fused_ops.matmul import tma_operands
-from fused_ops.tuning import TUNING_LOG, matmul_configs, run_config
+from fused_ops.tuning import TUNING_LOG, _config, matmul_configs, run_config
 from model import MLP, GPTConfig
 
 
+# Tiles outside the tuning list, for --probe: 4-warp tiles small enough in shared memory for two
+# programs per SM (one's epilogue could then run beside the other's MMAs).
+PROBE_CONFIGS = [_config(128, 128, 64, 4, 2), _config(128, 128, 32, 4, 4), _config(128, 128, 32, 4, 3),
+                 _config(128, 256, 32, 8, 4), _config(128, 128, 64, 4, 2, maxnreg=168)]
+
+
 def time_config(kernel, M, N, K, args, consts, cfg, descriptors=()):
+    """Graph-replay time of one config and what decides its occupancy (registers, spills, shared memory)."""
     run = lambda: run_config(kernel, M, N, K, args, consts, cfg, descriptors)
+    time_config.occupancy = ""
     try:
-        run()
-        return do_bench_cudagraph(run)
+        compiled = run()
+        t = do_bench_cudagraph(run)
     except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
-        return f"error {type(e).__name__}"
+        return f"error {type(e).__name__}: {str(e)[:80]}"
+    time_config.occupancy = (f"[{compiled.n_regs} regs, {compiled.n_spills} spills, "
+                             f"{compiled.metadata.shared // 1024} KB smem]")
+    return t
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--C", type=int, default=768)
     ap.add_argument("--M", type=int, default=12288)
+    ap.add_argument("--loops", default="pointer,tma",
+                    help="main loops to time per config: pointer (reads an N-major copy of W, as the launcher "
+                         "does), tma (W as it is, K-major, as the launcher does), tma-nmajor (the copy, with TMA)")
+    ap.add_argument("--probe", action="store_true", help="also time PROBE_CONFIGS, tiles not in the tuning list")
     a = ap.parse_args()
     dt = torch.bfloat16
     for act in ("gelu", "swiglu"):
@@ -59,29 +74,32 @@ def main():
                       PRECISION="ieee", INT64=False)
         fmt = lambda t, ref: f"{t * 1e3:7.1f} us ({t / ref:4.2f}x cuBLAS)" if isinstance(t, float) else t
         w1_n = w1.t().contiguous().t()  # the N-major copy the forward reads at this M
-        fwd_args = (x, w1_n, b1, out, pre, w1, out, 0.0, M, H, C, C, 1, 1, rows, H, rows)
         dg_args = (dy, w2, pre, gp, None, M, H, C, C, 1, H, 1, rows, rows, rows)
-        for loop in ("pointer", "tma"):
-            fwd_desc, fwd_kmajor = tma_operands(x, w1_n.t()) if loop == "tma" else ([], False)
-            dg_desc, dg_kmajor = tma_operands(dy, w2) if loop == "tma" else ([], False)
-            if loop == "tma" and not (fwd_desc and dg_desc):
+        for loop in a.loops.split(","):
+            w_fwd = w1 if loop == "tma" else w1_n
+            fwd_args = (x, w_fwd, b1, out, pre, w1, out, 0.0, M, H, C, C, 1, *w_fwd.stride(), H, rows)
+            fwd_desc, fwd_kmajor = tma_operands(x, w_fwd.t()) if loop.startswith("tma") else ([], False)
+            dg_desc, dg_kmajor = tma_operands(dy, w2) if loop.startswith("tma") else ([], False)
+            if loop.startswith("tma") and not (fwd_desc and dg_desc):
                 print("  (no TMA on this GPU / Triton)")
                 continue
             fwd_c = dict(common, LN_FOLD=False, TMA=bool(fwd_desc), B_KMAJOR=fwd_kmajor)
-            for c in matmul_configs(gated, dt):
+            for c in matmul_configs(gated, dt) + (PROBE_CONFIGS if a.probe else []):
                 f = time_config(linear_act_kernel, M, H, C, fwd_args, dict(fwd_c, HAS_BIAS=True, SAVE=True), c,
                                 fwd_desc)
+                occupancy = time_config.occupancy
                 bare = time_config(linear_act_kernel, M, H, C, fwd_args,
                                    dict(fwd_c, HAS_BIAS=False, SAVE=False, ACTIVATION="identity"), c, fwd_desc)
-                print(f"  fwd   {loop:7s} {c.kwargs} w{c.num_warps} s{c.num_stages} r{getattr(c, 'maxnreg', None)}: "
-                      f"{fmt(f, mm_fc)}   bare matmul {fmt(bare, mm_fc)}")
-            for c in matmul_configs(False, dt):
+                print(f"  fwd   {loop:10s} {c.kwargs} w{c.num_warps} s{c.num_stages} r{getattr(c, 'maxnreg', None)}: "
+                      f"{fmt(f, mm_fc)} {occupancy}  bare matmul {fmt(bare, mm_fc)}")
+            for c in (matmul_configs(False, dt) + (PROBE_CONFIGS if a.probe else []) if loop != "tma-nmajor" else []):
                 partial = torch.empty(triton.cdiv(M, c.kwargs["BLOCK_M"]), rows, device="cuda")
                 args = dg_args[:4] + (partial,) + dg_args[5:]
-                d = time_config(dgrad_kernel, M, H, C, args, dict(common, BIAS_GRAD=True, TMA=bool(dg_desc),
+                d = time_config(dgrad_kernel, M, H, C, args, dict(GATED=gated, BIAS_GRAD=True, ACC_DTYPE=common["ACC_DTYPE"],
+                                                                  PRECISION="ieee", INT64=False, TMA=bool(dg_desc),
                                                                   B_KMAJOR=dg_kmajor), c, dg_desc)
-                print(f"  dgrad {loop:7s} {c.kwargs} w{c.num_warps} s{c.num_stages} r{getattr(c, 'maxnreg', None)}: "
-                      f"{fmt(d, mm_dg)}")
+                print(f"  dgrad {loop:10s} {c.kwargs} w{c.num_warps} s{c.num_stages} r{getattr(c, 'maxnreg', None)}: "
+                      f"{fmt(d, mm_dg)} {time_config.occupancy}")
 
         # Launch overhead of the autotuned launcher (tuned on the first call).
         linear_act_forward(x, w1, b1, act, out=out, saved=pre)

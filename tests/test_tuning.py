@@ -1,0 +1,61 @@
+"""fused_ops.tuning: the launch plan's bookkeeping (what decides which compiled kernel a launch may reuse).
+
+The direct launches themselves need a GPU (test_fused_gpu.py::test_direct_launch_across_specializations);
+these tests check, on any machine, the parts that decide whether they are safe.
+"""
+
+import inspect
+
+import torch
+
+from fused_ops import tuning
+from fused_ops.dgrad import dgrad_kernel
+from fused_ops.linear_act import linear_act_kernel
+
+
+def test_specialization_separates_what_triton_compiles_separately():
+    base = torch.zeros(64, dtype=torch.float16)
+    aligned, misaligned = base[:16], base[1:17]
+    spec = lambda *args: tuning._specialization(args)
+    assert spec(aligned, 64) == spec(base[8:24], 4096)  # both 16-byte aligned, both multiples of 16
+    assert spec(aligned, 64) != spec(misaligned, 64)  # a 2-byte offset
+    assert len({spec(aligned, m) for m in (1, 16, 17)}) == 3  # M = 1 is a constant to Triton; 17 not a multiple of 16
+    assert spec(aligned, 2 ** 31) != spec(aligned, 2 ** 31 - 16)  # 64-bit integers
+    assert spec(aligned, 1e-5) == spec(aligned, 0.5)  # floats are not specialized
+
+
+def _param_names(kernel):
+    return list(inspect.signature(kernel.fn).parameters)
+
+
+def test_plan_puts_constexprs_in_parameter_order(monkeypatch):
+    """A direct launch passes the runtime arguments and then the constexprs in the kernel's parameter
+    order; the plan derives that order from the kernel, whatever order the caller's dict had."""
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.setattr(tuning, "DIRECT_LAUNCH", True)
+    cfg = tuning._config(128, 128, 64, 4, 3)
+    consts = dict(B_KMAJOR=True, TMA=True, INT64=False, PRECISION="ieee", ACC_DTYPE=None, GATED=False,
+                  BIAS_GRAD=True)
+    plan = tuning.LaunchPlan(dgrad_kernel, cfg, consts, K=768)
+    names = _param_names(dgrad_kernel)
+    assert plan.direct
+    tail = names[len(names) - len(plan.const_values):]
+    assert plan.const_values == [plan.consts[n] for n in tail]
+    assert set(tail) == set(consts) | set(cfg.kwargs) | {"EVEN_K"} and plan.consts["EVEN_K"]
+
+
+def test_plan_without_matching_constexprs_uses_the_jit(monkeypatch):
+    """Constexprs that are not exactly the kernel's trailing parameters: no direct launch (Triton's JIT
+    binds the arguments by name instead)."""
+    monkeypatch.setattr(tuning, "INTERPRET", False)
+    cfg = tuning._config(128, 128, 64, 4, 3)
+    plan = tuning.LaunchPlan(linear_act_kernel, cfg, dict(GATED=False), K=100)
+    assert not plan.direct and not plan.consts["EVEN_K"]
+
+
+def test_interpreter_never_launches_directly(monkeypatch):
+    monkeypatch.setattr(tuning, "INTERPRET", True)
+    consts = dict(B_KMAJOR=False, TMA=False, INT64=False, PRECISION="ieee", ACC_DTYPE=None, GATED=False,
+                  BIAS_GRAD=True)
+    plan = tuning.LaunchPlan(dgrad_kernel, tuning._config(32, 32, 32, 4, 1), consts, K=64)
+    assert not plan.direct

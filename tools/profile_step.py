@@ -1,0 +1,100 @@
+"""Where does a training step's time go? For each variant (eager / fused, with or without torch.compile),
+the same steps as bench.py: wall ms per step, host ms to enqueue a step (no synchronization inside), the
+GPU's busy time per step (sum of kernel times from torch.profiler), and the kernels grouped by kind.
+
+    python tools/profile_step.py configs/gpt2_124m.py [--activation=swiglu] [--variants=eager+compile,fused+compile]
+
+A step whose host time exceeds its GPU time is host-bound (the GPU waits on Python); otherwise the kernel
+table says which kernels the time goes to.
+"""
+
+import argparse
+import collections
+import os
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+import bench
+from model import GPT, GPTConfig
+
+# Kernel name patterns -> kind (first match wins), to compare variants whose kernels have different names.
+KINDS = [
+    ("fused fwd (linear_act)", r"linear_act_kernel"),
+    ("fused dgrad", r"dgrad_kernel"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("matmul (cuBLAS)", r"gemm|sm90_xmma|cutlass|nvjet|ampere_|sm80_"),
+    ("optimizer", r"multi_tensor|adam|foreach"),
+    ("inductor fused", r"^triton_"),
+    ("elementwise / reduce (ATen)", r"elementwise|reduce|vectorized|unrolled"),
+]
+
+
+def kind(name):
+    return next((k for k, pat in KINDS if re.search(pat, name, re.I)), "other")
+
+
+def profile_variant(model_args, state, mlp, compiled, batches, args, dtype, steps=3):
+    _, step = bench.make_step(model_args, state, mlp, compiled, batches, args, dtype)
+    for i in range(args.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    wall, host = [], []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        step(i)
+        host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - t0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    per_kind, per_kernel = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            per_kind[kind(e.name)] += e.device_time / steps / 1e3  # ms per step
+            per_kernel[e.name[:70]] += e.device_time / steps / 1e3
+    return {"wall_ms": statistics.median(wall) * 1e3, "host_ms": statistics.median(host) * 1e3,
+            "gpu_ms": sum(per_kind.values()), "kinds": per_kind, "kernels": per_kernel}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("--activation")
+    ap.add_argument("--variants", default="eager,fused,eager+compile,fused+compile")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per variant")
+    a = ap.parse_args()
+    args = bench.parse_args([a.config] + ([f"--activation={a.activation}"] if a.activation else []))
+    args.warmup, args.steps = a.warmup, a.steps
+    model_args, batch_size = bench.load_config(args)
+    dtype = bench.pick_dtype(args)
+    batches = bench.make_batches(model_args, batch_size, args)
+    torch.manual_seed(0)
+    state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
+    results = {}
+    for v in a.variants.split(","):
+        results[v] = r = profile_variant(model_args, state, v.split("+")[0], v.endswith("+compile"), batches, args, dtype)
+        print(f"\n== {v}: top kernels, ms per step")
+        for name, ms in r["kernels"].most_common(a.top):
+            print(f"  {ms:7.3f}  {name}")
+
+    kinds = sorted({k for r in results.values() for k in r["kinds"]}, key=lambda k: -max(r["kinds"][k] for r in results.values()))
+    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {model_args}  batch {batch_size}")
+    print(f"{'ms per step':<30}" + "".join(f"{v:>16}" for v in results))
+    for label, key in (("wall", "wall_ms"), ("host (enqueue)", "host_ms"), ("GPU busy (kernels)", "gpu_ms")):
+        print(f"{label:<30}" + "".join(f"{r[key]:16.2f}" for r in results.values()))
+    for k in kinds:
+        print(f"  {k:<28}" + "".join(f"{r['kinds'][k]:16.2f}" for r in results.values()))
+
+
+if __name__ == "__main__":
+    main()
