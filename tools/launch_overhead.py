@@ -8,6 +8,7 @@ the fused MLP's forward + backward.
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -35,16 +36,20 @@ def noop_desc_kernel(desc, BLOCK: tl.constexpr):
     desc.store([0, 0], desc.load([0, 0]))
 
 
-def host_us(fn, n=300):
+def host_us(fn, n=50, repeats=9):
+    """Median over `repeats` rounds of the host time per call of n calls (synchronized between rounds, so the
+    GPU queue never fills and blocks the host): this machine's host timings are noisy round to round."""
     for _ in range(20):
         fn()
+    rounds = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return t
+    return statistics.median(rounds)
 
 
 def main():
