@@ -94,7 +94,7 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
     # config may use), read back only as far as the config that ran wrote.
     cfg = tuning.tuned_config(key)
     block_m = cfg.kwargs["BLOCK_M"] if cfg else min(c.kwargs["BLOCK_M"] for c in tuning.matmul_configs(False, grad_y.dtype))
-    partial = torch.empty((triton.cdiv(M, block_m), saved.shape[1]), device=saved.device, dtype=sum_dtype) \
+    partial = torch.empty((tuning.cdiv(M, block_m), saved.shape[1]), device=saved.device, dtype=sum_dtype) \
         if bias_grad else out
     args = (grad_y, w2, saved, out, partial, M, N, K, grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1),
             saved.stride(0), out.stride(0), partial.stride(0))
@@ -102,4 +102,4 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
                         descriptors=descriptors)
     if not bias_grad:
         return out, None
-    return out, partial[: triton.cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0)
+    return out, partial[: tuning.cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .matmul import dot_settings
-from .tuning import LAYERNORM_ROWS_PER_PROGRAM, row_kernel_warps
+from .tuning import LAYERNORM_ROWS_PER_PROGRAM, cdiv, row_kernel_warps
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def layernorm_backward(x, grad_ln, ln_weight, ln_bias, stats):
     acc_dtype, _ = dot_settings(x.dtype)
     sum_dtype = stats.dtype
     dx, ln = torch.empty((M, C), device=x.device, dtype=x.dtype), torch.empty((M, C), device=x.device, dtype=x.dtype)
-    programs = triton.cdiv(M, LAYERNORM_ROWS_PER_PROGRAM)
+    programs = cdiv(M, LAYERNORM_ROWS_PER_PROGRAM)
     partial_w = torch.zeros((max(programs, 1), C), device=x.device, dtype=sum_dtype)
     partial_b = torch.zeros_like(partial_w)
     if M > 0:

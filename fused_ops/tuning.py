@@ -87,6 +87,12 @@ def matmul_configs(gated=False, dtype=None):
     return configs if AUTOTUNE else configs[:1]
 
 
+def cdiv(a, b):
+    """ceil(a / b) for host code: triton.cdiv is a constexpr function in newer Triton, slow to call from
+    Python on a launch path."""
+    return -(-a // b)
+
+
 def row_kernel_warps(block):
     """Warps for a kernel that holds one row of `block` elements: enough threads to load it in 16-byte pieces."""
     return 1 if INTERPRET else min(16, max(4, block // 256))
@@ -100,7 +106,7 @@ def run_config(kernel, M, N, K, args, consts, cfg, descriptors=()):
     through TMA: each becomes a tensor descriptor whose block is the config's tile.
     """
     meta = cfg.kwargs
-    tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+    tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
     call_args = list(args)
     for i, t, block in descriptors:
         call_args[i] = TensorDescriptor.from_tensor(t, [meta[d] for d in block])
@@ -150,8 +156,7 @@ class LaunchPlan:
 
     def launch(self, M, N, args, descriptors=()):
         meta = self.cfg.kwargs
-        # (triton.cdiv is a constexpr function in newer Triton: slow to call from Python on a hot path)
-        grid = (-(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]), 1, 1)
+        grid = (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), 1, 1)
         args = list(args)
         for i, t, block in descriptors:
             args[i] = TensorDescriptor.from_tensor(t, [meta[d] for d in block])
