@@ -3,8 +3,9 @@
 torch.compile cannot look inside a Triton launcher that tunes and caches in Python; registered as
 operators with fake (shape-only) implementations, each kernel becomes one opaque node in the graph, and
 the rest of the model is compiled around it without a graph break (tested with fullgraph=True). The
-autograd Functions in mlp.py call these ops. Optional outputs that are not computed come back as empty
-tensors (an operator returns a fixed number of tensors).
+autograd Functions in mlp.py call these ops and differentiate them; the ops themselves have no autograd
+formula (called on tensors that require grad they give no gradient, and PyTorch warns). Optional outputs
+that are not computed come back as empty tensors (an operator returns a fixed number of tensors).
 
 They are defined with torch.library.Library and one implementation for every backend, not with
 torch.library.custom_op: custom_op wraps each call in a Python autograd layer and an output-aliasing

@@ -119,12 +119,13 @@ def _compile_options(cfg):
 
 
 def _specialization(args):
-    """What Triton specializes a compiled kernel on, for the runtime arguments: the 16-byte alignment of
-    each tensor, whether each integer is 1 or a multiple of 16 and whether it fits 32 bits, None-ness."""
+    """What Triton compiles a kernel for, of the runtime arguments: each tensor's dtype and 16-byte
+    alignment, whether each integer is 1 or a multiple of 16 and whether it fits 32 bits, None-ness.
+    (Operands read through TMA are passed here as their tensors: the descriptor's block shape is the plan's.)"""
     spec = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            spec.append(a.data_ptr() % 16 == 0)
+            spec.append((a.dtype, a.data_ptr() % 16 == 0))
         elif isinstance(a, int) and not isinstance(a, bool):
             spec.append((a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31))
         else:
@@ -157,18 +158,21 @@ class LaunchPlan:
     def launch(self, M, N, args, descriptors=()):
         meta = self.cfg.kwargs
         grid = (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), 1, 1)
+        spec = _specialization(args) if self.direct else None
         args = list(args)
         for i, t, block in descriptors:
             args[i] = TensorDescriptor.from_tensor(t, [meta[d] for d in block])
         if self.direct:
-            spec = _specialization(args)
             compiled = self.compiled.get(spec)
             if compiled is not None:
                 compiled[grid](*args, *self.const_values)
                 return
         compiled = self.kernel[grid](*args, **self.consts, num_warps=self.cfg.num_warps,
                                      num_stages=self.cfg.num_stages, **_compile_options(self.cfg))
-        if self.direct and hasattr(compiled, "__getitem__"):
+        if self.direct and (not hasattr(compiled, "__getitem__")
+                            or len(args) + len(self.const_values) != len(self.kernel.arg_names)):
+            self.direct = False  # not a kernel whose parameters are these runtime arguments and constexprs
+        if self.direct:
             self.compiled[spec] = compiled
 
 

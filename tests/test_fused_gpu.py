@@ -42,31 +42,40 @@ def test_forward_and_dgrad_large_and_odd(dtype, act, M, K, N, main_loop, monkeyp
 
 
 @pytest.mark.parametrize("act", ["gelu", "swiglu"])
-def test_direct_launch_across_specializations(act):
+@pytest.mark.parametrize("main_loop", ["auto", "pointer"])
+def test_direct_launch_across_specializations(act, main_loop, monkeypatch):
     """After its first launch a kernel is called directly (tuning.LaunchPlan), without Triton's JIT. Calls
-    under one tuning key whose arguments Triton specializes differently (M = 1, M not a multiple of 16, a
-    16-byte-misaligned x, a padded row stride) must each get a kernel compiled for them, never reuse one
-    compiled under other assumptions."""
+    under one tuning key whose arguments Triton compiles differently (M = 1, M not a multiple of 16, a
+    16-byte-misaligned x, a padded row stride, an fp32 output, bias or saved tensor) must each get a kernel
+    compiled for them, never reuse one compiled under other assumptions."""
+    import fused_ops.matmul
     import fused_ops.tuning as tuning
 
+    monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "auto" if main_loop == "auto" else "0")
+    monkeypatch.setattr(tuning, "_plans", {})
     K, N, dtype = 256, 384, torch.bfloat16
     rows = (2 if act in GATED_ACTIVATIONS else 1) * N
     w = (torch.randn(rows, K, device="cuda") * K ** -0.5).to(dtype)
     b = torch.randn(rows, device="cuda", dtype=dtype)
     grad_w2 = (torch.randn(K, N, device="cuda") * N ** -0.5).to(dtype)
     base = torch.randn(300, K + 24, device="cuda", dtype=dtype)
-    cases = [base[:64, :K].contiguous(), base[:1, :K].contiguous(), base[:37, :K].contiguous(), base[:64, :K],
-             base.view(-1)[1:1 + 40 * K].view(40, K), base[:64, :K].contiguous()]
-    for x in cases:
-        for _ in range(2):  # the second call of each case goes through the kept kernel
-            out, saved = poisoned((x.shape[0], N), dtype, "cuda"), poisoned((x.shape[0], rows), dtype, "cuda")
-            linear_act_forward(x, w, b, act, out=out, saved=saved)
-            check_linear_act(out, saved, x, w, b, act)
-            grad_z = poisoned(saved.shape, dtype, "cuda")
+    xs = [base[:64, :K].contiguous(), base[:1, :K].contiguous(), base[:37, :K].contiguous(), base[:64, :K],
+          base.view(-1)[1:1 + 40 * K].view(40, K), base[:64, :K].contiguous()]
+    # (x, bias, out dtype, saved dtype): each case twice, the second call through the kept kernel
+    cases = [(x, b, dtype, dtype) for x in xs] + [(xs[0], b, torch.float32, dtype), (xs[0], b.float(), dtype, dtype),
+                                                  (xs[0], b, dtype, torch.float32)]
+    for x, bias, out_dtype, saved_dtype in cases:
+        for _ in range(2):
+            out, saved = poisoned((x.shape[0], N), out_dtype, "cuda"), poisoned((x.shape[0], rows), saved_dtype, "cuda")
+            linear_act_forward(x, w, bias, act, out=out, saved=saved)
+            check_linear_act(out, saved, x, w, b, act)  # b.float() holds the same values as b
+            grad_z = poisoned(saved.shape, out_dtype, "cuda")
             _, grad_b = linear_act_dgrad(x, grad_w2, saved, act, out=grad_z)
             check_dgrad(grad_z, grad_b, x, grad_w2, saved, act)
-    plans = [p for p in tuning._plans.values() if p.kernel.fn.__name__ == "linear_act_kernel"]
-    assert any(p.direct and len(p.compiled) >= 2 for p in plans), "expected direct launches of several specializations"
+    plans = list(tuning._plans.values())
+    assert all(p.direct for p in plans)
+    for name in ("linear_act_kernel", "dgrad_kernel"):  # the main key of each kernel kept several kernels
+        assert max(len(p.compiled) for p in plans if p.kernel.fn.__name__ == name) >= 3, name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -22,6 +22,7 @@ def test_specialization_separates_what_triton_compiles_separately():
     assert len({spec(aligned, m) for m in (1, 16, 17)}) == 3  # M = 1 is a constant to Triton; 17 not a multiple of 16
     assert spec(aligned, 2 ** 31) != spec(aligned, 2 ** 31 - 16)  # 64-bit integers
     assert spec(aligned, 1e-5) == spec(aligned, 0.5)  # floats are not specialized
+    assert spec(aligned, 64) != spec(aligned.float(), 64)  # another dtype is another compiled kernel
 
 
 def _param_names(kernel):
