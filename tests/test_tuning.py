@@ -6,6 +6,7 @@ these tests check, on any machine, the parts that decide whether they are safe.
 
 import inspect
 
+import pytest
 import torch
 
 from fused_ops import tuning
@@ -23,6 +24,29 @@ def test_specialization_separates_what_triton_compiles_separately():
     assert spec(aligned, 2 ** 31) != spec(aligned, 2 ** 31 - 16)  # 64-bit integers
     assert spec(aligned, 1e-5) == spec(aligned, 0.5)  # floats are not specialized
     assert spec(aligned, 64) != spec(aligned.float(), 64)  # another dtype is another compiled kernel
+
+
+def test_specialization_is_at_least_as_fine_as_tritons():
+    """Two argument values that _specialization cannot tell apart must be ones the installed Triton compiles
+    alike too (its own per-argument rule, native_specialize_impl): else a kept kernel could be reused for
+    arguments it was not compiled for. Checked against whichever Triton is installed, so a new Triton with
+    new rules fails here before it gives a wrong result on a GPU."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        triton_spec = lambda a: native_specialize_impl(BaseBackend, a, False, True, True)
+        triton_spec(1)
+    except (ImportError, TypeError, AttributeError) as e:  # an internal API that moved: nothing to compare with
+        pytest.skip(f"this Triton does not expose native_specialize_impl as 3.6-3.9 do: {e}")
+    base = torch.zeros(256, dtype=torch.float16)
+    values = [base[:16], base[1:17], base[8:24], base[4:20], base.float()[:16], base.float()[1:17],
+              base.to(torch.bfloat16)[:16], 0, 1, 2, 8, 15, 16, 17, 32, 768, 12288, -16, -1, 2 ** 31 - 16,
+              2 ** 31 - 1, 2 ** 31, 2 ** 32, 0.0, 1e-5, 0.5, None]
+    for a in values:
+        for b in values:
+            if tuning._specialization([a]) == tuning._specialization([b]):
+                assert triton_spec(a) == triton_spec(b), (a, b)
 
 
 def _param_names(kernel):
