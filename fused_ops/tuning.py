@@ -6,7 +6,8 @@ load latency.
 Tuning is our own few lines rather than triton.autotune: the key holds the weight's shape (N, K), dtype
 and kernel flags, never M, so a new batch size reuses the tuned choice; after the first call a launch is
 a dict lookup and a call of the kept compiled kernel (see LaunchPlan; triton.autotune's per-call
-bookkeeping cost ~100 us of CPU per launch, as much as the kernel itself). TUNING_LOG records what was tuned, the choice and how long it took.
+bookkeeping cost ~100 us of CPU per launch, as much as the kernel itself). TUNING_LOG records what was
+tuned, the choice and how long it took.
 
 Under TRITON_INTERPRET=1 (CPU tests) one small config keeps the interpreter fast and exercises masking.
 FUSED_OPS_AUTOTUNE=0 skips tuning and uses the first config (the test suite sets
