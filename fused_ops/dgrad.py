@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from .activations import kernel_activations
-from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, split_columns, tile_ids, tma_operands
+from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
+                     tile_ids, tma_operands)
 from . import tuning
 from .tuning import launch_matmul
 
@@ -58,12 +59,12 @@ def dgrad_kernel(
     # it pushed the tile over the register file and spilled.
     if SPLIT_EPILOGUE:  # one half of the tile's columns at a time
         left, right = split_columns(grad_h, BLOCK_M, BLOCK_N)
-        dgrad_epilogue(left, offs_m, pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2), pid_m, M, N, saved_ptr, out_ptr,
+        dgrad_epilogue(left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), pid_m, M, N, saved_ptr, out_ptr,
                        dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
-        dgrad_epilogue(right, offs_m, pid_n * BLOCK_N + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2), pid_m, M, N, saved_ptr,
-                       out_ptr, dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
+        dgrad_epilogue(right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), pid_m, M, N, saved_ptr, out_ptr,
+                       dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
     else:
-        dgrad_epilogue(grad_h, offs_m, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pid_m, M, N, saved_ptr, out_ptr,
+        dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, N, saved_ptr, out_ptr,
                        dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
 
 
@@ -93,7 +94,8 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
     # One row of column sums per row-tile of the tuned config (before tuning: of the smallest BLOCK_M any
     # config may use), read back only as far as the config that ran wrote.
     cfg = tuning.tuned_config(key)
-    block_m = cfg.kwargs["BLOCK_M"] if cfg else min(c.kwargs["BLOCK_M"] for c in tuning.matmul_configs(False, grad_y.dtype))
+    block_m = (cfg.kwargs["BLOCK_M"] if cfg
+               else min(c.kwargs["BLOCK_M"] for c in tuning.matmul_configs(False, grad_y.dtype)))
     partial = torch.empty((tuning.cdiv(M, block_m), saved.shape[1]), device=saved.device, dtype=sum_dtype) \
         if bias_grad else out
     args = (grad_y, w2, saved, out, partial, M, N, K, grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1),

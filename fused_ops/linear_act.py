@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from .activations import activation, activation_grad, kernel_activations
-from .matmul import check_buffer, dot_settings, matmul_loop, needs_int64, split_columns, tile_ids, tma_operands
+from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
+                     tile_ids, tma_operands)
 from .tuning import TRANSPOSE_WEIGHT_MIN_M, launch_matmul
 
 
@@ -87,12 +88,12 @@ def linear_act_kernel(
         up_left, up_right = z_left, z_right
         if GATED:
             up_left, up_right = split_columns(z_up, BLOCK_M, BLOCK_N)
-        linear_act_epilogue(z_left, up_left, offs_m, pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2), M, N, b_ptr, out_ptr,
+        linear_act_epilogue(z_left, up_left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), M, N, b_ptr, out_ptr,
                             saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE,
                             ACC_DTYPE, INT64)
-        linear_act_epilogue(z_right, up_right, offs_m, pid_n * BLOCK_N + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2), M, N, b_ptr,
-                            out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS,
-                            SAVE, ACC_DTYPE, INT64)
+        linear_act_epilogue(z_right, up_right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), M, N, b_ptr, out_ptr,
+                            saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE,
+                            ACC_DTYPE, INT64)
     else:
         linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
                             ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, ACC_DTYPE, INT64)

@@ -129,6 +129,13 @@ def split_columns(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 
+@triton.jit
+def column_offsets(pid_n, BLOCK_N: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr):
+    """The output columns of part PART of PARTS equal slices of column tile pid_n (split_columns' halves
+    are parts 0 and 1 of 2; the whole tile is part 0 of 1)."""
+    return pid_n * BLOCK_N + PART * (BLOCK_N // PARTS) + tl.arange(0, BLOCK_N // PARTS)
+
+
 def tma_available(device):
     """The TMA main loop needs a Hopper (or newer) GPU, or the interpreter when FUSED_OPS_TMA=1 (tests)."""
     if TensorDescriptor is None or TMA_MODE == "0":

@@ -3,7 +3,7 @@
 Forward:   h, s = linear_act(x, W1, b1)         (Triton: matmul + bias + activation; s = dh/dz, see linear_act.py)
            y = h @ W2.T + b2                     (cuBLAS, bias in its epilogue)
 Backward:  dW2 = grad_y.T @ h, db2 = grad_y.sum(0)       (cuBLAS)
-           grad_z, db1 = linear_act_dgrad(grad_y, W2, s)  (Triton: matmul * act'(z), bias sums fused)
+           grad_z, db1 = linear_act_dgrad(grad_y, W2, s)  (Triton: matmul * s, bias sums fused)
            dW1 = grad_z.T @ x, dx = grad_z @ W1           (cuBLAS)
 
 With the block's LayerNorm folded in (ln_weight / ln_bias / ln_eps given), x is the raw residual stream:
@@ -92,8 +92,11 @@ class LinearActFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2, weight, saved = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        # saved = dh/dz: act'(z), or [dh/dgate | dh/dup] for a gated activation
-        grad_pre = (g.repeat(1, 2) if kernel_activations(ctx.activation)[2] else g) * saved
+        # saved = dh/dz: act'(z), or [dh/dgate | dh/dup] for a gated activation (both halves scale g)
+        if kernel_activations(ctx.activation)[2]:
+            grad_pre = (saved.view(g.shape[0], 2, g.shape[1]) * g[:, None, :]).view(saved.shape)
+        else:
+            grad_pre = g * saved
         grad_x = (grad_pre @ weight).view(*grad_out.shape[:-1], x2.shape[1]) if ctx.needs_input_grad[0] else None
         grad_w = grad_pre.t() @ x2 if ctx.needs_input_grad[1] else None
         grad_b = grad_pre.sum(0) if ctx.needs_input_grad[2] else None
