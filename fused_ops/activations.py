@@ -85,3 +85,27 @@ def activation_grad(x, NAME: tl.constexpr):
         tl.static_assert(NAME == "tanh", "unknown activation")
         t = 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
         return 1.0 - t * t
+
+
+@triton.jit
+def gelu_and_grad_16bit(x):
+    """(GELU(x), GELU'(x)) = (x·Φ(x), Φ(x) + x·φ(x)) with Φ from erfc's Chebyshev fit (Numerical Recipes'
+    erfcc): one reciprocal, nine FMAs and two exps instead of libdevice's erf. Evaluated in fp32 it is
+    within 2.1e-5 of Φ, relative, in both tails: far under the 3.9e-3 (bf16) and 4.9e-4 (fp16) of the
+    16-bit outputs it is used for, not under fp32's. In the ping-pong kernel (pingpong.py) libdevice's
+    erf took the GELU forward from 114 us without an activation to 199 us (H100, 12288x3072x768)."""
+    z = x * SQRT_HALF
+    t = tl.fdiv(1.0 + 0.0 * z, 1.0 + 0.5 * tl.abs(z))  # the fast (not IEEE-rounded) division
+    p = t * 0.17087277 - 0.82215223
+    p = p * t + 1.48851587
+    p = p * t - 1.13520398
+    p = p * t + 0.27886807
+    p = p * t - 0.18628806
+    p = p * t + 0.09678418
+    p = p * t + 0.37409196
+    p = p * t + 1.00002368
+    p = p * t - 1.26551223
+    gauss = tl.exp(-z * z)
+    half_erfc = 0.5 * t * gauss * tl.exp(p)  # erfc(|z|) / 2
+    cdf = tl.where(x >= 0.0, 1.0 - half_erfc, half_erfc)
+    return x * cdf, cdf + x * gauss * INV_SQRT_2PI

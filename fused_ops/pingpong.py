@@ -1,0 +1,289 @@
+"""Hopper (sm_90) warp-specialized "ping-pong" matmul with a fused epilogue, written in Gluon.
+
+Why a second main loop: in the Triton kernels (matmul.py) the warps that issue a tile's MMAs also run
+its epilogue (bias, GELU and GELU', two stores), so the tensor cores idle through every epilogue, and
+Triton's compiler does not overlap the two on Hopper (notes/perf.md). This kernel lays the overlap out
+itself. Each SM runs one persistent program of three warp partitions:
+
+  loader      1 warp     TMA loads of the A and B tiles into a ring of STAGES shared-memory slots
+  consumer 0  8 warps    wgmma over the ring for the program's even tiles, then their epilogue
+  consumer 1  8 warps    the same for its odd tiles
+
+The two consumers take turns at the main loop (the `turn` barriers): while one runs its tile's MMAs the
+other runs the previous tile's epilogue on the CUDA cores (CUTLASS calls this schedule ping-pong).
+The epilogue is a compile-time choice:
+  "act": bias + activation, and the derivative dh/dz backward needs (SAVE): linear_act's forward;
+  "mul": times a saved tensor read through TMA, plus this tile's column sums for the bias gradient:
+         the dgrad.
+Outputs leave through TMA stores from staging tiles, a quarter of the tile's columns at a time.
+
+On an H100 (results/pingpong_h100.txt) the GELU forward went from 1.80x to 1.56x cuBLAS and the dgrad
+from 1.31x to 1.16x. Only for what TMA and wgmma take: 16-bit operands and outputs of one dtype, rows
+16-byte aligned, a plain (not gated) activation, a GPU of capability 9.x and Triton's Gluon (3.6 is
+what it was built with). The Triton kernels do everything else; FUSED_OPS_PINGPONG=0 turns this off.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+
+from .activations import activation, activation_grad, gelu_and_grad_16bit
+from .tuning import INTERPRET, _specialization
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    AVAILABLE = hasattr(gl, "warp_specialize") and not INTERPRET
+except ImportError:  # a Triton without Gluon: the Triton kernels do everything
+    AVAILABLE = False
+
+ENABLED = os.environ.get("FUSED_OPS_PINGPONG", "1") == "1"
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a consumer's tile: two warpgroups of 64 rows each
+STAGES = 4  # ring slots of 32 KB, plus 8 staging quarters of 8 KB: 192 KB of shared memory
+GROUP_M = 8
+CONSUMER_WARPS = 8
+WARPS = 2 * CONSUMER_WARPS + 4  # registers are handed out per warpgroup: the 1-warp loader holds 4 warps' worth
+LOADER_REGS = 24
+MAXNREG = 65536 // (32 * WARPS) // 8 * 8  # what every thread may hold at launch (96)
+# setmaxnreg then moves the loader's share to the consumers (the default partition gets what is left)
+CONSUMER_REGS = (MAXNREG * 32 * WARPS - LOADER_REGS * 128) // (2 * 32 * CONSUMER_WARPS) // 8 * 8  # 112
+
+
+if AVAILABLE:
+    # What the kernels read must be a constexpr. Triton 3.6 names the TMA copies async_copy_global_to_shared
+    # / async_copy_shared_to_global; later versions async_load / async_store (and make the old names raise).
+    GROUP_M_ = gl.constexpr(GROUP_M)
+    CONSUMER_WARPS_ = gl.constexpr(CONSUMER_WARPS)
+    PARTITION_WARPS = gl.constexpr([CONSUMER_WARPS, 1])
+    PARTITION_REGS = gl.constexpr([CONSUMER_REGS, LOADER_REGS])
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+    @gluon.jit
+    def _tile_coords(tile, M, N, BM: gl.constexpr, BN: gl.constexpr):
+        """Grouped ordering, as matmul.tile_ids: GROUP_M row-tiles at a time share their B columns in L2."""
+        per_group = GROUP_M_ * gl.cdiv(N, BN)
+        first_m = (tile // per_group) * GROUP_M_
+        group_m = min(gl.cdiv(M, BM) - first_m, GROUP_M_)
+        return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+    @gluon.jit
+    def _split_columns(x):
+        """(left, right) column halves of a tile; each thread keeps the registers it had."""
+        return x.reshape(x.shape[0], 2, x.shape[1] // 2).permute(0, 2, 1).split()
+
+    @gluon.jit
+    def _column_quarters(x):
+        left, right = _split_columns(x)
+        a, b = _split_columns(left)
+        c, d = _split_columns(right)
+        return a, b, c, d
+
+    @gluon.jit
+    def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR: gl.constexpr):
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]
+        S: gl.constexpr = a_bufs.type.shape[0]
+        i = 0
+        for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, M, N, BM, BN)
+            for k in range(0, K, BK):
+                s = i % S
+                # A slot is free once the consumer that read it arrived on empty[s]; barriers start
+                # with phase 1 complete, so the first pass over the ring does not wait.
+                mbarrier.wait(empty.index(s), ((i // S) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma_load(a_desc, [pid_m * BM, k], ready.index(s), a_bufs.index(s))
+                if B_KMAJOR:  # B = W.T, read from the row-major (N, K) weight and transposed in shared memory
+                    tma_load(b_desc, [pid_n * BN, k], ready.index(s), b_bufs.index(s))
+                else:
+                    tma_load(b_desc, [k, pid_n * BN], ready.index(s), b_bufs.index(s))
+                i += 1
+
+    @gluon.jit
+    def _consumer(a_desc, b_desc, out_desc, aux_desc, a_bufs, b_bufs, stage_bufs, ready, empty, aux_bar, turn,
+                  bias_ptr, dbias_ptr, M, N, K, WHO: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
+                  ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr):
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]
+        QUARTER: gl.constexpr = BN // 4
+        S: gl.constexpr = a_bufs.type.shape[0]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS_, 1],
+                                                             instr_shape=[16, BN, 16])
+        # this consumer's four [BM, QUARTER] staging tiles are stage_bufs[4 * WHO : 4 * WHO + 4]
+        bar = aux_bar.index(WHO)
+        k_steps = gl.cdiv(K, BK)
+        i = 0  # ring position of this tile's first K slice (both consumers walk the whole ring)
+        t = 0  # this program's tile count
+        for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+            if t % 2 == WHO:
+                pid_m, pid_n = _tile_coords(tile, M, N, BM, BN)
+                off_m = pid_m * BM
+                off_n = pid_n * BN
+                if EPILOGUE == "mul":  # fetch the saved tile now; it lands while the MMAs run
+                    tma.store_wait(0)
+                    mbarrier.expect(bar, 4 * aux_desc.block_type.nbytes)
+                    for q in gl.static_range(4):
+                        tma_load(aux_desc, [off_m, off_n + q * QUARTER], bar, stage_bufs.index(4 * WHO + q))
+                # Take the main-loop turn from the other consumer (it arrives once it has waited for its
+                # last K slice). Barrier waits compare only a phase's parity, so a consumer that ran more
+                # than one ring pass ahead of the loader would take an old slice for a new one.
+                j = t // 2
+                mbarrier.wait(turn.index(WHO), (j + 1 - WHO) & 1, pred=j + WHO > 0)
+                acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+                for kk in range(k_steps):
+                    s = (i + kk) % S
+                    mbarrier.wait(ready.index(s), ((i + kk) // S) & 1)
+                    b = b_bufs.index(s)
+                    if B_KMAJOR:
+                        b = b.permute((1, 0))
+                    acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+                    # keep one MMA in flight; the one before it is done, so its slot can be refilled
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))
+                    mbarrier.arrive(empty.index((i + kk + S - 1) % S), pred=kk > 0)
+                mbarrier.arrive(turn.index(1 - WHO))
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(empty.index((i + k_steps - 1) % S))
+
+                if EPILOGUE == "act":
+                    if HAS_BIAS:
+                        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+                        bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+                        acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
+                    # A quarter of the tile's columns at a time (a split within each thread's registers):
+                    # the activation math on more of the fp32 tile at once spills.
+                    parts = _column_quarters(acc)
+                    for q in gl.static_range(4):
+                        h_buf = stage_bufs.index(4 * WHO + 2 * (q % 2))
+                        dh_buf = stage_bufs.index(4 * WHO + 2 * (q % 2) + 1)
+                        tma.store_wait(2)  # the stores of two quarters ago have left these buffers
+                        if ACTIVATION == "gelu":
+                            h, dh = gelu_and_grad_16bit(parts[q])
+                        else:
+                            h = activation(parts[q], ACTIVATION)
+                            dh = activation_grad(parts[q], ACTIVATION)
+                        h_buf.store(h.to(out_desc.dtype))
+                        if SAVE:
+                            dh_buf.store(dh.to(aux_desc.dtype))
+                        fence_async_shared()  # the warps' shared-memory writes, before the copy engine reads them
+                        tma_store(out_desc, [off_m, off_n + q * QUARTER], h_buf)
+                        if SAVE:
+                            tma_store(aux_desc, [off_m, off_n + q * QUARTER], dh_buf)
+                else:
+                    mbarrier.wait(bar, j & 1)
+                    parts = _column_quarters(acc)
+                    for q in gl.static_range(4):
+                        buf = stage_bufs.index(4 * WHO + q)
+                        grad = parts[q] * buf.load(parts[q].type.layout).to(gl.float32)
+                        buf.store(grad.to(out_desc.dtype))
+                        if HAS_BIAS:  # column sums of this tile; rows past M loaded as zeros
+                            offs = off_n + q * QUARTER + gl.arange(0, QUARTER, layout=gl.SliceLayout(0, grad.type.layout))
+                            gl.store(dbias_ptr + pid_m * N + offs, gl.sum(grad, axis=0), mask=offs < N)
+                    fence_async_shared()
+                    for q in gl.static_range(4):
+                        tma_store(out_desc, [off_m, off_n + q * QUARTER], stage_bufs.index(4 * WHO + q))
+            i += k_steps
+            t += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def pingpong_kernel(a_desc, b_desc, out_desc, aux_desc, bias_ptr, dbias_ptr, M, N, K,
+                        B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, STAGES: gl.constexpr):
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        stage_bufs = gl.allocate_shared_memory(out_desc.dtype, [8] + out_desc.block_type.shape, out_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        aux_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        for w in gl.static_range(2):
+            mbarrier.init(aux_bar.index(w), count=1)
+            mbarrier.init(turn.index(w), count=1)
+        gl.warp_specialize([
+            (_consumer, (a_desc, b_desc, out_desc, aux_desc, a_bufs, b_bufs, stage_bufs, ready, empty, aux_bar,
+                         turn, bias_ptr, dbias_ptr, M, N, K, 0, B_KMAJOR, EPILOGUE, ACTIVATION, HAS_BIAS, SAVE)),
+            (_consumer, (a_desc, b_desc, out_desc, aux_desc, a_bufs, b_bufs, stage_bufs, ready, empty, aux_bar,
+                         turn, bias_ptr, dbias_ptr, M, N, K, 1, B_KMAJOR, EPILOGUE, ACTIVATION, HAS_BIAS, SAVE)),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR)),
+        ], PARTITION_WARPS, PARTITION_REGS)
+
+
+def _tma_ready(t, dtype):
+    """A 2-D tensor TMA can move: this dtype, unit column stride, 16-byte aligned base and row stride."""
+    return (t.dim() == 2 and t.dtype == dtype and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_ok(device):
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def usable(a, matrices, vectors=()):
+    """Whether the ping-pong kernel can run out = epilogue(a @ B) for these operands (else the Triton
+    kernels do): a Hopper GPU, one 16-bit dtype for a and every matrix, TMA-ready matrices, contiguous
+    vectors (bias) on the same device."""
+    from . import matmul  # FUSED_OPS_TMA=0 (matmul.TMA_MODE) turns off every TMA path, this one too
+
+    if not (AVAILABLE and ENABLED and matmul.TMA_MODE != "0" and a.dtype in (torch.bfloat16, torch.float16)
+            and _device_ok(a.device)):
+        return False
+    return (all(m is None or _tma_ready(m, a.dtype) for m in (a, *matrices))
+            and all(v is None or (v.is_contiguous() and v.device == a.device) for v in vectors))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _descriptor(t, rows, cols):
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return GluonDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], dtype))
+
+
+_compiled = {}  # (constexprs, specialization) -> compiled kernel, launched directly (see tuning.LaunchPlan)
+
+
+def _launch(a, b, out, aux, bias, dbias, b_kmajor, **consts):
+    M, K = a.shape
+    N = out.shape[1]
+    b_desc = _descriptor(b, BLOCK_N, BLOCK_K) if b_kmajor else _descriptor(b, BLOCK_K, BLOCK_N)
+    args = (_descriptor(a, BLOCK_M, BLOCK_K), b_desc, _descriptor(out, BLOCK_M, BLOCK_N // 4),
+            _descriptor(aux, BLOCK_M, BLOCK_N // 4), bias, dbias, M, N, K)
+    consts = dict(B_KMAJOR=b_kmajor, **consts, STAGES=STAGES)
+    grid = (min(triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N), _num_sms(a.device)), 1, 1)
+    # descriptors are typed by their dtype and block (fixed here); the rest as Triton specializes them
+    key = (a.dtype, tuple(consts.items()), _specialization((bias, dbias, M, N, K)))
+    compiled = _compiled.get(key)
+    if compiled is not None:
+        compiled[grid](*args, *consts.values())
+    else:
+        _compiled[key] = pingpong_kernel[grid](*args, **consts, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
+
+
+def linear_act_forward(x, weight, bias, activation, save, out, saved):
+    """out = act(x @ weight.T + bias) and, if save, saved = act'(...) (see linear_act.py), for 2-D x."""
+    _launch(x, weight, out, saved if save else out, bias if bias is not None else out, out, True,
+            EPILOGUE="act", ACTIVATION=activation, HAS_BIAS=bias is not None, SAVE=save)
+
+
+def dgrad(grad_y, w2, saved, out, bias_grad):
+    """out = (grad_y @ w2) * saved (see dgrad.py); returns the column sums of out (fp32) if bias_grad."""
+    M, N = out.shape
+    partial = torch.empty((triton.cdiv(M, BLOCK_M), N), device=out.device, dtype=torch.float32) if bias_grad else out
+    _launch(grad_y, w2, out, saved, out, partial, False, EPILOGUE="mul", ACTIVATION="identity",
+            HAS_BIAS=bias_grad, SAVE=False)
+    return partial.sum(0) if bias_grad else None
