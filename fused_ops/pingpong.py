@@ -249,9 +249,14 @@ def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(rows, cols, dtype):
+    """The swizzled shared-memory layout of a [rows, cols] tile (asked once: it sits on every launch's path)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _descriptor(t, rows, cols):
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    return GluonDescriptor.from_tensor(t, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], dtype))
+    return GluonDescriptor.from_tensor(t, [rows, cols], _shared_layout(rows, cols, t.dtype))
 
 
 _compiled = {}  # (constexprs, specialization) -> compiled kernel, launched directly (see tuning.LaunchPlan)
