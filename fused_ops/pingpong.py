@@ -45,8 +45,16 @@ except ImportError:  # a Triton without Gluon: the Triton kernels do everything
     AVAILABLE = False
 
 ENABLED = os.environ.get("FUSED_OPS_PINGPONG", "1") == "1"
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a consumer's tile: two warpgroups of 64 rows each
-STAGES = 4  # ring slots of 32 KB, plus 8 staging quarters of 8 KB: 192 KB of shared memory
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a consumer's MMA tile: two warpgroups of 64 rows each
+PART = 32  # columns per TMA store (and per step of the epilogue's math)
+# (EPILOGUE, GATED) -> (ring slots of 32 KB, staging tiles of [BLOCK_M, PART] = 8 KB, half per consumer).
+# An H100 block may have 227 KB of shared memory.
+SHARED_MEMORY_PLAN = {
+    ("act", False): (4, 8),   # 192 KB: h and dh/dz of a part, two parts in flight per consumer
+    ("mul", False): (4, 8),   # 192 KB: the saved tile's 4 parts, prefetched while the MMAs run
+    ("act", True): (4, 12),   # 224 KB: h, dh/dgate and dh/dup of a part, two parts in flight
+    ("mul", True): (3, 16),   # 224 KB: both saved halves' 4 parts prefetched; one ring slot less
+}
 GROUP_M = 8
 CONSUMER_WARPS = 8
 WARPS = 2 * CONSUMER_WARPS + 4  # registers are handed out per warpgroup: the 1-warp loader holds 4 warps' worth
@@ -77,53 +85,139 @@ if AVAILABLE:
         return a, b, c, d
 
     @gluon.jit
-    def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR: gl.constexpr):
+    def _loader(a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR: gl.constexpr,
+                GATE_UP_B: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
-        BN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]
+        TN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]  # output columns per tile
         S: gl.constexpr = a_bufs.type.shape[0]
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATE_UP_B else 1) * b_desc.block_type.nbytes
         i = 0
-        for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
-            pid_m, pid_n = tile_ids(tile, M, N, BM, BN, GROUP_M_)
+        for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, TN), gl.num_programs(0)):
+            pid_m, pid_n = tile_ids(tile, M, N, BM, TN, GROUP_M_)
             for k in range(0, K, BK):
                 s = i % S
                 # A slot is free once the consumer that read it arrived on empty[s]; barriers start
                 # with phase 1 complete, so the first pass over the ring does not wait.
                 mbarrier.wait(empty.index(s), ((i // S) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                mbarrier.expect(ready.index(s), nbytes)
                 tma_load(a_desc, [pid_m * BM, k], ready.index(s), a_bufs.index(s))
-                if B_KMAJOR:  # B = W.T, read from the row-major (N, K) weight and transposed in shared memory
-                    tma_load(b_desc, [pid_n * BN, k], ready.index(s), b_bufs.index(s))
+                if GATE_UP_B:  # the gate rows of W, then the up rows for the same outputs: one [2 TN, BK] tile
+                    tma_load(b_desc, [pid_n * TN, k], ready.index(s), b_bufs.index(s).slice(0, TN))
+                    tma_load(b2_desc, [pid_n * TN, k], ready.index(s), b_bufs.index(s).slice(TN, TN))
+                elif B_KMAJOR:  # B = W.T, read from the row-major (N, K) weight and transposed in shared memory
+                    tma_load(b_desc, [pid_n * TN, k], ready.index(s), b_bufs.index(s))
                 else:
-                    tma_load(b_desc, [k, pid_n * BN], ready.index(s), b_bufs.index(s))
+                    tma_load(b_desc, [k, pid_n * TN], ready.index(s), b_bufs.index(s))
                 i += 1
 
     @gluon.jit
-    def _consumer(a_desc, b_desc, out_desc, aux_desc, a_bufs, b_bufs, stage_bufs, ready, empty, aux_bar, turn,
-                  bias_ptr, dbias_ptr, M, N, K, WHO: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                  ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr):
+    def _act_epilogue(acc, off_m, off_n, N, bias_ptr, out_desc, aux_desc, aux2_desc, stage_bufs, base,
+                      ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr, GATE_UP_B: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, SAVE: gl.constexpr):
+        """out = act(acc + bias) and, if SAVE, dh/dz (see linear_act.py) for one tile, through TMA stores
+        of [BM, PART] parts. Gated: acc's columns are [gate | up] for the tile's TN output columns."""
+        BM: gl.constexpr = acc.shape[0]
+        BN: gl.constexpr = acc.shape[1]
+        TN: gl.constexpr = BN // 2 if GATE_UP_B else BN
+        PART: gl.constexpr = out_desc.block_type.shape[1]
+        PER_PART: gl.constexpr = 3 if GATE_UP_B else 2  # staging buffers of one part: h, dh/dgate[, dh/dup]
+        STORES: gl.constexpr = 1 + (PER_PART - 1) * SAVE  # the TMA stores one part issues
+        if HAS_BIAS:  # gated: acc column c is output off_n + c % TN of the gate (c < TN) or up half (N further)
+            c = gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
+            cols = off_n + c % TN
+            bias = gl.load(bias_ptr + cols + (c // TN) * N, mask=cols < N, other=0.0)
+            acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
+        # A part's worth of columns at a time (a split within each thread's registers): the activation
+        # math on more of the fp32 tile at once spills.
+        if GATE_UP_B:
+            z, z_up = split_columns(acc, BM, BN)
+            gates = split_columns(z, BM, TN)
+            ups = split_columns(z_up, BM, TN)
+        else:
+            gates = _column_quarters(acc)
+            ups = gates
+        for p in gl.static_range(TN // PART):
+            # parts alternate between two sets of staging buffers: the stores of the part before this
+            # one may still be reading the other set, those of two parts ago must have left this one
+            bufs = base + (p % 2) * PER_PART
+            tma.store_wait(STORES)
+            if ACTIVATION == "gelu":
+                gate, gate_grad = gelu_and_grad_16bit(gates[p])
+            else:
+                gate = activation(gates[p], ACTIVATION)
+                gate_grad = activation_grad(gates[p], ACTIVATION)
+            col = off_n + p * PART
+            if GATE_UP_B:
+                up = activation(ups[p], UP_ACTIVATION)
+                stage_bufs.index(bufs).store((gate * up).to(out_desc.dtype))
+                if SAVE:
+                    stage_bufs.index(bufs + 1).store((up * gate_grad).to(aux_desc.dtype))
+                    stage_bufs.index(bufs + 2).store((gate * activation_grad(ups[p], UP_ACTIVATION)).to(aux_desc.dtype))
+            else:
+                stage_bufs.index(bufs).store(gate.to(out_desc.dtype))
+                if SAVE:
+                    stage_bufs.index(bufs + 1).store(gate_grad.to(aux_desc.dtype))
+            fence_async_shared()  # the warps' shared-memory writes, before the copy engine reads them
+            tma_store(out_desc, [off_m, col], stage_bufs.index(bufs))
+            if SAVE:
+                tma_store(aux_desc, [off_m, col], stage_bufs.index(bufs + 1))
+                if GATE_UP_B:
+                    tma_store(aux2_desc, [off_m, col], stage_bufs.index(bufs + 2))
+
+    @gluon.jit
+    def _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base,
+                      GATED: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """grad = acc * saved for one tile, the saved parts already in stage_bufs[base:] (gated: the
+        dh/dgate parts, then the dh/dup parts), written back there and stored; with HAS_BIAS each
+        column's sum over the tile's rows to row pid_m of the bias-gradient partials."""
+        PART: gl.constexpr = out_desc.block_type.shape[1]
+        HALVES: gl.constexpr = 2 if GATED else 1
+        parts = _column_quarters(acc)
+        for half in gl.static_range(HALVES):
+            for p in gl.static_range(4):
+                buf = stage_bufs.index(base + 4 * half + p)
+                grad = parts[p] * buf.load(parts[p].type.layout).to(gl.float32)
+                buf.store(grad.to(out_desc.dtype))
+                if HAS_BIAS:  # rows past M were loaded as zeros
+                    offs = off_n + p * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, grad.type.layout))
+                    gl.store(dbias_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
+        fence_async_shared()
+        for p in gl.static_range(4):
+            tma_store(out_desc, [off_m, off_n + p * PART], stage_bufs.index(base + p))
+            if GATED:
+                tma_store(out2_desc, [off_m, off_n + p * PART], stage_bufs.index(base + 4 + p))
+
+    @gluon.jit
+    def _consumer(a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, ready,
+                  empty, aux_bar, turn, bias_ptr, dbias_ptr, M, N, K, WHO: gl.constexpr, B_KMAJOR: gl.constexpr,
+                  EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr,
+                  GATED: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
-        BN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]
-        QUARTER: gl.constexpr = BN // 4
+        TN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]  # output columns per tile
+        BN: gl.constexpr = 2 * TN if GATE_UP_B else TN  # the MMA's width
+        PART: gl.constexpr = out_desc.block_type.shape[1]
         S: gl.constexpr = a_bufs.type.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS_, 1],
                                                              instr_shape=[16, BN, 16])
-        # this consumer's four [BM, QUARTER] staging tiles are stage_bufs[4 * WHO : 4 * WHO + 4]
+        base = WHO * (stage_bufs.type.shape[0] // 2)  # this consumer's half of the staging buffers
         bar = aux_bar.index(WHO)
         k_steps = gl.cdiv(K, BK)
         i = 0  # ring position of this tile's first K slice (both consumers walk the whole ring)
         t = 0  # this program's tile count
-        for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, BN), gl.num_programs(0)):
+        for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, TN), gl.num_programs(0)):
             if t % 2 == WHO:
-                pid_m, pid_n = tile_ids(tile, M, N, BM, BN, GROUP_M_)
+                pid_m, pid_n = tile_ids(tile, M, N, BM, TN, GROUP_M_)
                 off_m = pid_m * BM
-                off_n = pid_n * BN
-                if EPILOGUE == "mul":  # fetch the saved tile now; it lands while the MMAs run
+                off_n = pid_n * TN
+                if EPILOGUE == "mul":  # fetch the saved tile(s) now; they land while the MMAs run
                     tma.store_wait(0)
-                    mbarrier.expect(bar, 4 * aux_desc.block_type.nbytes)
-                    for q in gl.static_range(4):
-                        tma_load(aux_desc, [off_m, off_n + q * QUARTER], bar, stage_bufs.index(4 * WHO + q))
+                    mbarrier.expect(bar, (2 if GATED else 1) * (TN // PART) * aux_desc.block_type.nbytes)
+                    for p in gl.static_range(TN // PART):
+                        tma_load(aux_desc, [off_m, off_n + p * PART], bar, stage_bufs.index(base + p))
+                        if GATED:
+                            tma_load(aux2_desc, [off_m, off_n + p * PART], bar, stage_bufs.index(base + 4 + p))
                 # Take the main-loop turn from the other consumer (it arrives once it has waited for its
                 # last K slice). Barrier waits compare only a phase's parity, so a consumer that ran more
                 # than one ring pass ahead of the loader would take an old slice for a new one.
@@ -145,54 +239,28 @@ if AVAILABLE:
                 mbarrier.arrive(empty.index((i + k_steps - 1) % S))
 
                 if EPILOGUE == "act":
-                    if HAS_BIAS:
-                        offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-                        bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-                        acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
-                    # A quarter of the tile's columns at a time (a split within each thread's registers):
-                    # the activation math on more of the fp32 tile at once spills.
-                    parts = _column_quarters(acc)
-                    for q in gl.static_range(4):
-                        h_buf = stage_bufs.index(4 * WHO + 2 * (q % 2))
-                        dh_buf = stage_bufs.index(4 * WHO + 2 * (q % 2) + 1)
-                        tma.store_wait(2)  # the stores of two quarters ago have left these buffers
-                        if ACTIVATION == "gelu":
-                            h, dh = gelu_and_grad_16bit(parts[q])
-                        else:
-                            h = activation(parts[q], ACTIVATION)
-                            dh = activation_grad(parts[q], ACTIVATION)
-                        h_buf.store(h.to(out_desc.dtype))
-                        if SAVE:
-                            dh_buf.store(dh.to(aux_desc.dtype))
-                        fence_async_shared()  # the warps' shared-memory writes, before the copy engine reads them
-                        tma_store(out_desc, [off_m, off_n + q * QUARTER], h_buf)
-                        if SAVE:
-                            tma_store(aux_desc, [off_m, off_n + q * QUARTER], dh_buf)
+                    _act_epilogue(acc, off_m, off_n, N, bias_ptr, out_desc, aux_desc, aux2_desc, stage_bufs, base,
+                                  ACTIVATION, UP_ACTIVATION, GATE_UP_B, HAS_BIAS, SAVE)
                 else:
                     mbarrier.wait(bar, j & 1)
-                    parts = _column_quarters(acc)
-                    for q in gl.static_range(4):
-                        buf = stage_bufs.index(4 * WHO + q)
-                        grad = parts[q] * buf.load(parts[q].type.layout).to(gl.float32)
-                        buf.store(grad.to(out_desc.dtype))
-                        if HAS_BIAS:  # column sums of this tile; rows past M loaded as zeros
-                            offs = off_n + q * QUARTER + gl.arange(0, QUARTER, layout=gl.SliceLayout(0, grad.type.layout))
-                            gl.store(dbias_ptr + pid_m * N + offs, gl.sum(grad, axis=0), mask=offs < N)
-                    fence_async_shared()
-                    for q in gl.static_range(4):
-                        tma_store(out_desc, [off_m, off_n + q * QUARTER], stage_bufs.index(4 * WHO + q))
+                    _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base,
+                                  GATED, HAS_BIAS)
             i += k_steps
             t += 1
         tma.store_wait(0)
 
     @gluon.jit
-    def pingpong_kernel(a_desc, b_desc, out_desc, aux_desc, bias_ptr, dbias_ptr, M, N, K,
-                        B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, STAGES: gl.constexpr):
+    def pingpong_kernel(a_desc, b_desc, b2_desc, out_desc, out2_desc, aux_desc, aux2_desc, bias_ptr, dbias_ptr,
+                        M, N, K, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
+                        UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        SAVE: gl.constexpr, STAGES: gl.constexpr, STAGING: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
+        # The gated forward's B tile holds the gate rows and the up rows of W for the same output columns.
+        GATE_UP_B: gl.constexpr = GATED and EPILOGUE == "act"
+        b_shape: gl.constexpr = [b_desc.block_type.shape[0] * (2 if GATE_UP_B else 1), b_desc.block_type.shape[1]]
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        stage_bufs = gl.allocate_shared_memory(out_desc.dtype, [8] + out_desc.block_type.shape, out_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_shape, b_desc.layout)
+        stage_bufs = gl.allocate_shared_memory(out_desc.dtype, [STAGING] + out_desc.block_type.shape, out_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         aux_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -204,23 +272,27 @@ if AVAILABLE:
             mbarrier.init(aux_bar.index(w), count=1)
             mbarrier.init(turn.index(w), count=1)
         gl.warp_specialize([
-            (_consumer, (a_desc, b_desc, out_desc, aux_desc, a_bufs, b_bufs, stage_bufs, ready, empty, aux_bar,
-                         turn, bias_ptr, dbias_ptr, M, N, K, 0, B_KMAJOR, EPILOGUE, ACTIVATION, HAS_BIAS, SAVE)),
-            (_consumer, (a_desc, b_desc, out_desc, aux_desc, a_bufs, b_bufs, stage_bufs, ready, empty, aux_bar,
-                         turn, bias_ptr, dbias_ptr, M, N, K, 1, B_KMAJOR, EPILOGUE, ACTIVATION, HAS_BIAS, SAVE)),
-            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR)),
+            (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, ready,
+                         empty, aux_bar, turn, bias_ptr, dbias_ptr, M, N, K, 0, B_KMAJOR, EPILOGUE, ACTIVATION,
+                         UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE)),
+            (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, ready,
+                         empty, aux_bar, turn, bias_ptr, dbias_ptr, M, N, K, 1, B_KMAJOR, EPILOGUE, ACTIVATION,
+                         UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE)),
+            (_loader, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR, GATE_UP_B)),
         ], PARTITION_WARPS, PARTITION_REGS)
 
 
-def usable(a, matrices, vectors=()):
+def usable(a, matrices, vectors=(), split=None):
     """Whether the ping-pong kernel can run out = epilogue(a @ B) for these operands (else the Triton
     kernels do): a Hopper GPU with the TMA paths on (FUSED_OPS_TMA), one 16-bit dtype for a and every
-    matrix, all of them TMA-readable, contiguous vectors (bias) on the same device."""
+    matrix, all of them TMA-readable, contiguous vectors (bias) on the same device. split: a gated op's
+    column count N, where its [gate | up] matrices are cut in two (each half's start 16-byte aligned)."""
     if not (AVAILABLE and ENABLED and a.dtype in (torch.bfloat16, torch.float16) and matmul.tma_available(a.device)
             and matmul._capability(a.device.index)[0] == 9):
         return False
     return (all(m is None or (m.dtype == a.dtype and matmul._tma_readable(m)) for m in (a, *matrices))
-            and all(v is None or (v.is_contiguous() and v.device == a.device) for v in vectors))
+            and all(v is None or (v.is_contiguous() and v.device == a.device) for v in vectors)
+            and (split is None or split * a.element_size() % 16 == 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -241,16 +313,29 @@ def _descriptor(t, rows, cols):
 _compiled = {}  # (constexprs, specialization) -> compiled kernel, launched directly (see tuning.LaunchPlan)
 
 
-def _launch(a, b, out, aux, bias, dbias, b_kmajor, **consts):
+def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None, **consts):
+    """out = epilogue(a @ B) with B = b.T (b_kmajor) or b. Gated, the second half of each pair (b2: the up
+    rows of W, out2 / aux2: the up half of grad / saved) is its own tensor, a view cut at N."""
     M, K = a.shape
     N = out.shape[1]
-    b_desc = _descriptor(b, BLOCK_N, BLOCK_K) if b_kmajor else _descriptor(b, BLOCK_K, BLOCK_N)
-    args = (_descriptor(a, BLOCK_M, BLOCK_K), b_desc, _descriptor(out, BLOCK_M, BLOCK_N // 4),
-            _descriptor(aux, BLOCK_M, BLOCK_N // 4), bias, dbias, M, N, K)
-    consts = dict(B_KMAJOR=b_kmajor, **consts, STAGES=STAGES)
-    grid = (min(triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N), _num_sms(a.device)), 1, 1)
-    # descriptors are typed by their dtype and block (fixed here); the rest as Triton specializes them
-    key = (a.dtype, tuple(consts.items()), _specialization((bias, dbias, M, N, K)))
+    gate_up_b = consts["GATED"] and consts["EPILOGUE"] == "act"
+    tn = BLOCK_N // 2 if gate_up_b else BLOCK_N  # output columns per tile
+    b_block = (tn, BLOCK_K) if b_kmajor else (BLOCK_K, tn)
+    part = (BLOCK_M, PART)
+    descs = [_descriptor(a, BLOCK_M, BLOCK_K), _descriptor(b, *b_block), None, _descriptor(out, *part), None,
+             _descriptor(aux, *part), None]
+    for i, (second, block) in ((2, (b2, b_block)), (4, (out2, part)), (6, (aux2, part))):
+        descs[i] = descs[i - 1] if second is None else _descriptor(second, *block)
+    stages, staging = SHARED_MEMORY_PLAN[consts["EPILOGUE"], consts["GATED"]]
+    consts = dict(B_KMAJOR=b_kmajor, **consts, STAGES=stages, STAGING=staging)
+    _run((*descs, bias, dbias, M, N, K), consts, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, tn), a.device)
+
+
+def _run(args, consts, tiles, device):
+    """Launch on min(tiles, SMs) persistent programs, compiling on the first call of a specialization."""
+    grid = (min(tiles, _num_sms(device)), 1, 1)
+    # descriptors are typed by their dtype and block (fixed by the constexprs); the rest as Triton specializes them
+    key = (args[0].base.dtype, tuple(consts.items()), _specialization(args[7:]))
     compiled = _compiled.get(key)
     if compiled is not None:
         compiled[grid](*args, *consts.values())
@@ -258,16 +343,33 @@ def _launch(a, b, out, aux, bias, dbias, b_kmajor, **consts):
         _compiled[key] = pingpong_kernel[grid](*args, **consts, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
 
 
-def linear_act_forward(x, weight, bias, activation, save, out, saved):
-    """out = act(x @ weight.T + bias) and, if save, saved = act'(...) (see linear_act.py), for 2-D x."""
-    _launch(x, weight, out, saved if save else out, bias if bias is not None else out, out, True,
-            EPILOGUE="act", ACTIVATION=activation, HAS_BIAS=bias is not None, SAVE=save)
+def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, out, saved):
+    """out = act(x @ weight.T + bias) and, if save, saved = dh/dz (see linear_act.py), for 2-D x.
+    Gated: weight (2N, K) = [gate; up], bias (2N,), saved (M, 2N) = [dh/dgate | dh/dup]."""
+    consts = dict(EPILOGUE="act", ACTIVATION=activation, UP_ACTIVATION=up_activation, GATED=gated,
+                  HAS_BIAS=bias is not None, SAVE=save)
+    bias = bias if bias is not None else out
+    if not save:
+        saved = out
+    if gated:
+        N = out.shape[1]
+        _launch(x, weight[:N], out, saved[:, :N] if save else out, bias, out, True, b2=weight[N:],
+                aux2=saved[:, N:] if save else None, **consts)
+    else:
+        _launch(x, weight, out, saved, bias, out, True, **consts)
 
 
-def dgrad(grad_y, w2, saved, out, bias_grad):
-    """out = (grad_y @ w2) * saved (see dgrad.py); returns the column sums of out (fp32) if bias_grad."""
-    M, N = out.shape
-    partial = torch.empty((triton.cdiv(M, BLOCK_M), N), device=out.device, dtype=torch.float32) if bias_grad else out
-    _launch(grad_y, w2, out, saved, out, partial, False, EPILOGUE="mul", ACTIVATION="identity",
-            HAS_BIAS=bias_grad, SAVE=False)
+def dgrad(grad_y, w2, saved, out, gated, bias_grad):
+    """out = (grad_y @ w2) * saved (see dgrad.py); returns the column sums of out (fp32) if bias_grad.
+    Gated: saved and out are (M, 2N) = [gate | up] halves, each multiplied by the same grad_y @ w2."""
+    M, N = grad_y.shape[0], w2.shape[1]
+    partial = (torch.empty((triton.cdiv(M, BLOCK_M), out.shape[1]), device=out.device, dtype=torch.float32)
+               if bias_grad else out)
+    consts = dict(EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=gated,
+                  HAS_BIAS=bias_grad, SAVE=False)
+    if gated:
+        _launch(grad_y, w2, out[:, :N], saved[:, :N], out, partial, False, out2=out[:, N:], aux2=saved[:, N:],
+                **consts)
+    else:
+        _launch(grad_y, w2, out, saved, out, partial, False, **consts)
     return partial.sum(0) if bias_grad else None

@@ -27,6 +27,7 @@ from model import GPT, GPTConfig
 KINDS = [
     ("fused fwd (linear_act)", r"linear_act_kernel"),
     ("fused dgrad", r"dgrad_kernel"),
+    ("fused ping-pong (fwd + dgrad)", r"pingpong_kernel"),
     ("attention", r"flash|fmha|attention|sdpa"),
     ("matmul (cuBLAS)", r"gemm|sm90_xmma|cutlass|nvjet|ampere_|sm80_"),
     ("optimizer", r"multi_tensor|adam|foreach"),
@@ -51,6 +52,17 @@ def profile_variant(model_args, state, mlp, compiled, batches, args, dtype, step
         host.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         wall.append(time.perf_counter() - t0)
+    if args.cprofile:  # where the host time goes: Python functions by own time and by cumulative time
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(args.steps):
+            step(i)
+        torch.cuda.synchronize()
+        prof.disable()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(prof).sort_stats(order).print_stats(args.cprofile)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             step(i)
@@ -72,9 +84,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12, help="kernels listed per variant")
+    ap.add_argument("--cprofile", type=int, default=0, help="also list this many Python functions by host time")
     a = ap.parse_args()
     args = bench.parse_args([a.config] + ([f"--activation={a.activation}"] if a.activation else []))
-    args.warmup, args.steps = a.warmup, a.steps
+    args.warmup, args.steps, args.cprofile = a.warmup, a.steps, a.cprofile
     model_args, batch_size = bench.load_config(args)
     dtype = bench.pick_dtype(args)
     batches = bench.make_batches(model_args, batch_size, args)
