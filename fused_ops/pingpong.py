@@ -15,12 +15,15 @@ The epilogue is a compile-time choice:
   "act": bias + activation, and the derivative dh/dz backward needs (SAVE): linear_act's forward;
   "mul": times a saved tensor read through TMA, plus this tile's column sums for the bias gradient:
          the dgrad.
-Outputs leave through TMA stores from staging tiles, a quarter of the tile's columns at a time.
+Gated activations: in the forward each B tile holds 64 gate rows and 64 up rows of W for the same 64
+output columns, so one MMA gives both halves (split in registers); the dgrad multiplies one grad_h tile
+by both saved halves. Outputs leave through TMA stores from staging tiles, 32 columns at a time.
 
-On an H100 (results/pingpong_h100.txt) the GELU forward went from 1.77x to 1.54x cuBLAS and the dgrad
-(with the bias gradient) from 1.47x to 1.34x. Only for what TMA and wgmma take: 16-bit operands and outputs of one dtype, rows
-16-byte aligned, a plain (not gated) activation, a GPU of capability 9.x and Triton's Gluon (3.6 is
-what it was built with). The Triton kernels do everything else; FUSED_OPS_PINGPONG=0 turns this off.
+On an H100 (results/pingpong_h100.txt) the GELU forward went from 1.77x to 1.54x cuBLAS, the dgrad (with
+the bias gradient) from 1.47x to 1.34x, the SwiGLU forward from 1.38x to 1.25x. Only for what TMA and
+wgmma take: 16-bit operands and outputs of one dtype, rows 16-byte aligned (gated: N a multiple of 8), a
+GPU of capability 9.x and Triton's Gluon (3.6 is what it was built with). The Triton kernels do everything
+else; FUSED_OPS_PINGPONG=0 turns this off.
 """
 
 import functools
