@@ -324,11 +324,13 @@ def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None
     gate_up_b = consts["GATED"] and consts["EPILOGUE"] == "act"
     tn = BLOCK_N // 2 if gate_up_b else BLOCK_N  # output columns per tile
     b_block = (tn, BLOCK_K) if b_kmajor else (BLOCK_K, tn)
+
+    def pair(first, second, block):  # the descriptors of a tensor and of its up half (itself when not gated)
+        desc = _descriptor(first, *block)
+        return desc, (desc if second is None else _descriptor(second, *block))
+
     part = (BLOCK_M, PART)
-    descs = [_descriptor(a, BLOCK_M, BLOCK_K), _descriptor(b, *b_block), None, _descriptor(out, *part), None,
-             _descriptor(aux, *part), None]
-    for i, (second, block) in ((2, (b2, b_block)), (4, (out2, part)), (6, (aux2, part))):
-        descs[i] = descs[i - 1] if second is None else _descriptor(second, *block)
+    descs = (_descriptor(a, BLOCK_M, BLOCK_K), *pair(b, b2, b_block), *pair(out, out2, part), *pair(aux, aux2, part))
     stages, staging = SHARED_MEMORY_PLAN[consts["EPILOGUE"], consts["GATED"]]
     consts = dict(B_KMAJOR=b_kmajor, **consts, STAGES=stages, STAGING=staging)
     _run((*descs, bias, dbias, M, N, K), consts, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, tn), a.device)
