@@ -11,8 +11,9 @@ End-to-end training throughput: mlp="eager" vs mlp="fused", each with and withou
 Each variant starts from the same weights and sees the same batches (random token ids), so the losses of
 the first steps must agree across variants; they are printed next to the timings. A step is forward,
 backward and the AdamW update over gradient_accumulation_steps micro-batches. Reported: median ms/step
-after warm-up, tokens/s, MFU against the GPU's peak bf16 rate, peak GPU memory (of the timed steps). Writes JSON, CSV and a
-PNG bar chart to --out (default results/bench_<config>.*).
+after warm-up, tokens/s, MFU against the GPU's peak bf16 rate, peak GPU memory of the timed steps (allocated, and
+reserved: CUDA graphs' private pools count only there). Writes JSON, CSV and a PNG bar chart to --out (default
+results/bench_<config>.*). --compile also takes a torch.compile mode: --compile=True,reduce-overhead.
 
 --mlp_widths times the MLP alone instead, with bench_mlp.py's functions: for each width C and activation,
 eager, fused and torch.compile (of eager), forward and forward+backward ms and % of the matmul floor (the
@@ -50,7 +51,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     ap.add_argument("--mlps", default="eager,fused")
-    ap.add_argument("--compile", default="False,True", help="which compile settings to run, e.g. False")
+    ap.add_argument("--compile", default="False,True",
+                    help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
+                         "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None, help="output path without extension")
@@ -78,6 +81,17 @@ def load_config(args):
     return model, args.batch_size or cfg.get("batch_size", 12)
 
 
+def compile_setting(text):
+    """--compile's entries: "False" / "True" as booleans, anything else a torch.compile mode."""
+    return {"False": False, "True": True}.get(text, text)
+
+
+def label(row):
+    """A variant's name in tables and charts: "fused", "fused +compile", "fused +reduce-overhead"."""
+    c = row["compile"]
+    return row["mlp"] + ("" if not c else " +compile" if c is True else f" +{c}")
+
+
 def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     """(model, step): the model built from `state` for one variant, and step(i), one training step on
     batches[i % len(batches)] that returns the last micro-batch's loss tensor (no synchronization)."""
@@ -85,11 +99,13 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     model = GPT(GPTConfig(mlp=mlp, dropout=0.0, **model_args)).to(args.device)
     model.load_state_dict(state)
     opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), args.device.split(":")[0])
-    step_model = torch.compile(model) if compiled else model
+    step_model = torch.compile(model, mode=None if compiled is True else compiled) if compiled else model
     device_type = args.device.split(":")[0]
     autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
     def step(i):
+        if compiled:  # a new step for CUDA graphs (reduce-overhead): the last step's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         for x, y in batches[i % len(batches)]:
             with autocast:
                 _, loss = step_model(x, y)
@@ -123,6 +139,9 @@ def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
     mfu = model.estimate_mfu(len(batches[0]) * batches[0][0][0].size(0), dt)
     return {"mlp": mlp, "compile": compiled, "ms_per_step": dt * 1e3, "tokens_per_s": tokens / dt,
             "mfu": mfu, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+            # reserved by the caching allocator: includes the private pools CUDA graphs (reduce-overhead)
+            # allocate from, which the allocated figure leaves out
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30 if cuda else None,
             "first_losses": losses[:3], "first_step_s": times[0]}
 
 
@@ -144,7 +163,7 @@ def main(argv=None):
     batches = make_batches(model_args, batch_size, args)
     torch.manual_seed(0)
     state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
-    variants = [(m, c == "True") for c in args.compile.split(",") for m in args.mlps.split(",")]
+    variants = [(m, compile_setting(c)) for c in args.compile.split(",") for m in args.mlps.split(",")]
     rows = []
     for mlp, compiled in tqdm(variants, desc="variants"):
         rows.append(run_variant(model_args, state, mlp, compiled, batches, args, dtype))
@@ -159,12 +178,14 @@ def main(argv=None):
 
     base = next((r for r in rows if r["mlp"] == "eager" and not r["compile"]), rows[0])
     print(f"\n{env['device']}  torch {env['torch']}  {env['dtype']}  batch {batch_size}x{T} x{args.grad_accum}")
-    print(f"{'variant':<16}{'ms/step':>9}{'tok/s':>11}{'vs eager':>9}{'MFU':>7}{'mem GiB':>9}  first losses")
+    width = max(16, *(len(label(r)) + 1 for r in rows))
+    print(f"{'variant':<{width}}{'ms/step':>9}{'tok/s':>11}{'vs eager':>9}{'MFU':>7}{'mem GiB':>9}{'rsv GiB':>9}"
+          "  first losses")
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        mem = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
-        print(f"{r['mlp'] + (' +compile' if r['compile'] else ''):<16}{r['ms_per_step']:9.1f}{r['tokens_per_s']:11,.0f}"
-              f"{base['ms_per_step'] / r['ms_per_step']:8.2f}x{mfu:>7}{mem:>9}  "
+        mem, rsv = (f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("peak_mem_gib", "peak_reserved_gib"))
+        print(f"{label(r):<{width}}{r['ms_per_step']:9.1f}{r['tokens_per_s']:11,.0f}"
+              f"{base['ms_per_step'] / r['ms_per_step']:8.2f}x{mfu:>7}{mem:>9}{rsv:>9}  "
               + " ".join(f"{l:.4f}" for l in r["first_losses"]))
     return rows
 
@@ -176,7 +197,7 @@ def plot(rows, path, title):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    labels = [r["mlp"] + ("\n+compile" if r["compile"] else "") for r in rows]
+    labels = [label(r).replace(" ", "\n") for r in rows]
     ax.bar(labels, [r["tokens_per_s"] for r in rows], color=["#888" if r["mlp"] == "eager" else "#d62" for r in rows])
     ax.set_ylabel("tokens / s")
     ax.set_title(title, fontsize=9)

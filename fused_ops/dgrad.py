@@ -80,8 +80,10 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
     M, K = grad_y.shape
     N = w2.shape[1]
     check_buffer("saved", saved, (M, (2 if gated else 1) * N))
-    out = torch.empty(saved.shape, device=saved.device, dtype=saved.dtype) if out is None else out
-    check_buffer("out", out, saved.shape)
+    if out is None:
+        out = torch.empty(saved.shape, device=saved.device, dtype=saved.dtype)
+    else:
+        check_buffer("out", out, saved.shape)
     acc_dtype, precision = dot_settings(grad_y.dtype)
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
     if M == 0:

@@ -138,11 +138,13 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
     act, up_act, gated = kernel_activations(activation)
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype) if out is None else out
+    if out is None:
+        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    else:
+        check_buffer("out", out, (M, N))
     if save and saved is None:
         saved = torch.empty((M, weight.shape[0]), device=x.device, dtype=x.dtype)
-    check_buffer("out", out, (M, N))
-    if save:
+    elif save:
         check_buffer("saved", saved, (M, weight.shape[0]))
     colsum, eps = ln if ln is not None else (None, 0.0)
     stats = torch.empty((2, M), device=x.device, dtype=colsum.dtype) if ln is not None and save else None

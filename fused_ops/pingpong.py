@@ -30,12 +30,11 @@ import functools
 import os
 
 import torch
-import triton
 
 from . import matmul
 from .activations import activation, activation_grad, gelu_and_grad_16bit
 from .matmul import split_columns, tile_ids
-from .tuning import INTERPRET, _specialization
+from .tuning import INTERPRET, _specialization, cdiv
 
 try:
     from triton.experimental import gluon
@@ -290,12 +289,20 @@ def usable(a, matrices, vectors=(), split=None):
     kernels do): a Hopper GPU with the TMA paths on (FUSED_OPS_TMA), one 16-bit dtype for a and every
     matrix, all of them TMA-readable, contiguous vectors (bias) on the same device. split: a gated op's
     column count N, where its [gate | up] matrices are cut in two (each half's start 16-byte aligned)."""
-    if not (AVAILABLE and ENABLED and a.dtype in (torch.bfloat16, torch.float16) and matmul.tma_available(a.device)
-            and matmul._capability(a.device.index)[0] == 9):
+    if not (AVAILABLE and ENABLED and a.dtype in (torch.bfloat16, torch.float16) and _hopper(a.device)):
         return False
-    return (all(m is None or (m.dtype == a.dtype and matmul._tma_readable(m)) for m in (a, *matrices))
-            and all(v is None or (v.is_contiguous() and v.device == a.device) for v in vectors)
-            and (split is None or split * a.element_size() % 16 == 0))
+    for m in (a, *matrices):
+        if m is not None and (m.dtype != a.dtype or not matmul._tma_readable(m)):
+            return False
+    for v in vectors:
+        if v is not None and not (v.is_contiguous() and v.device == a.device):
+            return False
+    return split is None or split * a.element_size() % 16 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device):
+    return matmul.tma_available(device) and matmul._capability(device.index)[0] == 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,38 +316,71 @@ def _shared_layout(rows, cols, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def _descriptor(t, rows, cols):
-    return GluonDescriptor.from_tensor(t, [rows, cols], _shared_layout(rows, cols, t.dtype))
+class _Address:
+    """A cached descriptor's base in place of its tensor: the launcher reads only the address (and the
+    descriptor's checks the dtype), and a cache must not keep activations alive."""
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, t):
+        self.address, self.dtype = t.data_ptr(), t.dtype
+
+    def data_ptr(self):
+        return self.address
 
 
-_compiled = {}  # (constexprs, specialization) -> compiled kernel, launched directly (see tuning.LaunchPlan)
+_descriptors = {}  # (address, shape, strides, dtype, block) -> descriptor; see _descriptor
+MAX_DESCRIPTORS = 4096  # more than a training step's distinct ones; the cache is emptied when it fills up
+
+
+def _descriptor(t, block):
+    """A TMA descriptor of the 2-D tensor t in `block` tiles. It is a function of t's address, shape,
+    strides and dtype only, so one made earlier for a tensor at the same address and layout is the same
+    descriptor: a training step allocates its activations at the same addresses as the step before, and
+    making one is a large part of a launch's host time (~11 us on the H100 machine; notes/perf.md)."""
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, block)
+    desc = _descriptors.get(key)
+    if desc is None:
+        if len(_descriptors) >= MAX_DESCRIPTORS:
+            _descriptors.clear()
+        desc = _descriptors[key] = GluonDescriptor(_Address(t), list(t.shape), list(t.stride()), list(block),
+                                                   _shared_layout(*block, t.dtype))
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE):
+    """(block of each descriptor in the kernel's order, output columns per tile, all the constexprs) of a
+    variant: fixed per variant, so worked out once."""
+    gate_up_b = GATED and EPILOGUE == "act"
+    tn = BLOCK_N // 2 if gate_up_b else BLOCK_N
+    b_block = (tn, BLOCK_K) if b_kmajor else (BLOCK_K, tn)
+    part = (BLOCK_M, PART)
+    stages, staging = SHARED_MEMORY_PLAN[EPILOGUE, GATED]
+    consts = dict(B_KMAJOR=b_kmajor, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION, UP_ACTIVATION=UP_ACTIVATION,
+                  GATED=GATED, HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging)
+    return ((BLOCK_M, BLOCK_K), b_block, b_block, part, part, part, part), tn, consts
+
+
+_compiled = {}  # (dtype, constexprs, specialization) -> compiled kernel, launched directly (see tuning.LaunchPlan)
 
 
 def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None, **consts):
     """out = epilogue(a @ B) with B = b.T (b_kmajor) or b. Gated, the second half of each pair (b2: the up
-    rows of W, out2 / aux2: the up half of grad / saved) is its own tensor, a view cut at N."""
+    rows of W, out2 / aux2: the up half of grad / saved) is its own tensor, a view cut at N. What a variant
+    does not read or write is None (aux when the forward saves nothing, the halves when not gated): fewer
+    descriptors for the launcher to encode."""
     M, K = a.shape
     N = out.shape[1]
-    gate_up_b = consts["GATED"] and consts["EPILOGUE"] == "act"
-    tn = BLOCK_N // 2 if gate_up_b else BLOCK_N  # output columns per tile
-    b_block = (tn, BLOCK_K) if b_kmajor else (BLOCK_K, tn)
-
-    def pair(first, second, block):  # the descriptors of a tensor and of its up half (itself when not gated)
-        desc = _descriptor(first, *block)
-        return desc, (desc if second is None else _descriptor(second, *block))
-
-    part = (BLOCK_M, PART)
-    descs = (_descriptor(a, BLOCK_M, BLOCK_K), *pair(b, b2, b_block), *pair(out, out2, part), *pair(aux, aux2, part))
-    stages, staging = SHARED_MEMORY_PLAN[consts["EPILOGUE"], consts["GATED"]]
-    consts = dict(B_KMAJOR=b_kmajor, **consts, STAGES=stages, STAGING=staging)
-    _run((*descs, bias, dbias, M, N, K), consts, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, tn), a.device)
+    blocks, tn, consts = _blocks_and_consts(b_kmajor, **consts)
+    descs = [None if t is None else _descriptor(t, block) for t, block in zip((a, b, b2, out, out2, aux, aux2), blocks)]
+    _run((*descs, bias, dbias, M, N, K), consts, cdiv(M, BLOCK_M) * cdiv(N, tn), a.device)
 
 
 def _run(args, consts, tiles, device):
     """Launch on min(tiles, SMs) persistent programs, compiling on the first call of a specialization."""
     grid = (min(tiles, _num_sms(device)), 1, 1)
     # descriptors are typed by their dtype and block (fixed by the constexprs); the rest as Triton specializes them
-    key = (args[0].base.dtype, tuple(consts.items()), _specialization(args[7:]))
+    key = (args[0].base.dtype, tuple(consts.values()), _specialization(args[7:]))
     compiled = _compiled.get(key)
     if compiled is not None:
         compiled[grid](*args, *consts.values())
@@ -353,28 +393,25 @@ def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, 
     Gated: weight (2N, K) = [gate; up], bias (2N,), saved (M, 2N) = [dh/dgate | dh/dup]."""
     consts = dict(EPILOGUE="act", ACTIVATION=activation, UP_ACTIVATION=up_activation, GATED=gated,
                   HAS_BIAS=bias is not None, SAVE=save)
-    bias = bias if bias is not None else out
-    if not save:
-        saved = out
     if gated:
         N = out.shape[1]
-        _launch(x, weight[:N], out, saved[:, :N] if save else out, bias, out, True, b2=weight[N:],
+        _launch(x, weight[:N], out, saved[:, :N] if save else None, bias, None, True, b2=weight[N:],
                 aux2=saved[:, N:] if save else None, **consts)
     else:
-        _launch(x, weight, out, saved, bias, out, True, **consts)
+        _launch(x, weight, out, saved if save else None, bias, None, True, **consts)
 
 
 def dgrad(grad_y, w2, saved, out, gated, bias_grad):
     """out = (grad_y @ w2) * saved (see dgrad.py); returns the column sums of out (fp32) if bias_grad.
     Gated: saved and out are (M, 2N) = [gate | up] halves, each multiplied by the same grad_y @ w2."""
     M, N = grad_y.shape[0], w2.shape[1]
-    partial = (torch.empty((triton.cdiv(M, BLOCK_M), out.shape[1]), device=out.device, dtype=torch.float32)
-               if bias_grad else out)
+    partial = (torch.empty((cdiv(M, BLOCK_M), out.shape[1]), device=out.device, dtype=torch.float32)
+               if bias_grad else None)
     consts = dict(EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=gated,
                   HAS_BIAS=bias_grad, SAVE=False)
     if gated:
-        _launch(grad_y, w2, out[:, :N], saved[:, :N], out, partial, False, out2=out[:, N:], aux2=saved[:, N:],
+        _launch(grad_y, w2, out[:, :N], saved[:, :N], None, partial, False, out2=out[:, N:], aux2=saved[:, N:],
                 **consts)
     else:
-        _launch(grad_y, w2, out, saved, out, partial, False, **consts)
+        _launch(grad_y, w2, out, saved, None, partial, False, **consts)
     return partial.sum(0) if bias_grad else None

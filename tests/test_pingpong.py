@@ -25,9 +25,10 @@ from fused_ops import pingpong as pp
 def compile_for_sm90(args, consts, tiles, device):  # stands in for the launch
     signature, constexprs, args = {}, {}, list(args)
     for i, p in enumerate(pp.pingpong_kernel.params):
-        signature[p.name] = "constexpr" if p.is_constexpr else mangle_type(args.pop(0))
-        if p.is_constexpr:
-            constexprs[(i,)] = consts[p.name]
+        arg = consts[p.name] if p.is_constexpr else args.pop(0)
+        signature[p.name] = "constexpr" if p.is_constexpr else mangle_type(arg)
+        if signature[p.name] == "constexpr":  # a constexpr parameter, or an argument passed as None
+            constexprs[(i,)] = arg
     kernel = triton.compile(GluonASTSource(pp.pingpong_kernel, signature, constexprs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=pp.CONSUMER_WARPS, maxnreg=pp.MAXNREG))
@@ -50,7 +51,8 @@ else:
 @pytest.mark.parametrize("op,act,up_act,gated,bias", [
     ("forward", "gelu", "identity", 0, 1), ("forward", "relu2", "identity", 0, 0),
     ("forward", "silu", "identity", 1, 1), ("forward", "sigmoid", "tanh", 1, 0),
-    ("dgrad", "identity", "identity", 0, 1), ("dgrad", "identity", "identity", 1, 1)])
+    ("dgrad", "identity", "identity", 0, 1), ("dgrad", "identity", "identity", 0, 0),
+    ("dgrad", "identity", "identity", 1, 1)])
 def test_compiles_for_hopper(op, act, up_act, gated, bias):
     """Compiled (not run) for sm_90 through the real launcher, in a process without the interpreter:
     catches a Triton whose Gluon API moved (TMA copy names, warp_specialize) or a variant whose shared
@@ -63,6 +65,32 @@ def test_compiles_for_hopper(op, act, up_act, gated, bias):
         pytest.skip("this Triton has no Gluon")
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) <= 227 * 1024  # an H100's shared memory per block
+
+
+def test_descriptor_cache_keeps_no_tensor():
+    """A descriptor is looked up by address, shape, strides, dtype and block: the same for a later tensor
+    at the same address and layout, a new one when any of them differs; the cache holds no tensor (freed
+    activations must not stay alive) and is emptied when full."""
+    if not hasattr(pingpong, "GluonDescriptor"):
+        pytest.skip("this Triton has no Gluon")
+    import weakref
+    pingpong._descriptors.clear()
+    t = torch.empty(256, 128, dtype=torch.bfloat16)
+    desc = pingpong._descriptor(t, (128, 64))
+    assert desc.base.data_ptr() == t.data_ptr()
+    assert (desc.shape, desc.strides, desc.block_shape) == ([256, 128], [128, 1], [128, 64])
+    assert pingpong._descriptor(t.view(256, 128), (128, 64)) is desc  # another tensor, same address and layout
+    assert pingpong._descriptor(t, (128, 32)) is not desc
+    assert pingpong._descriptor(t[:128], (128, 64)).shape == [128, 128]
+    assert pingpong._descriptor(t.view(128, 256), (128, 64)).strides == [256, 1]
+    gone = weakref.ref(t)
+    del t
+    assert gone() is None
+    pingpong._descriptors.clear()
+    rows = torch.empty(pingpong.MAX_DESCRIPTORS + 1, 8, dtype=torch.bfloat16)
+    for i in range(len(rows)):  # as many different shapes
+        pingpong._descriptor(rows[: i + 1], (16, 8))
+    assert len(pingpong._descriptors) == 1
 
 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90) GPU")

@@ -21,7 +21,7 @@ import triton.language as tl
 from fused_ops import FusedMLP, linear_act_dgrad, linear_act_forward
 from fused_ops import tuning
 from fused_ops.matmul import TensorDescriptor
-from fused_ops.ops import linear_act_op
+from fused_ops.ops import dgrad_op, linear_act_op
 from model import MLP, GPTConfig
 
 
@@ -66,6 +66,8 @@ def main():
     dy = torch.randn(M, C, device="cuda", dtype=dt)
     w2 = fused.c_proj.weight.detach()
     saved = linear_act_forward(x, w, b, "gelu")[1]
+    w_gate_up = torch.randn(2 * w.shape[0], C, device="cuda", dtype=dt) * C ** -0.5
+    saved_gate_up = linear_act_forward(x, w_gate_up, None, "swiglu")[1]
     rows = [
         ("torch.empty", lambda: torch.empty(M, C, device="cuda", dtype=dt)),
         ("triton launch, pointer args", lambda: noop_kernel[(1,)](buf, 1024, BLOCK=1024)),
@@ -75,6 +77,9 @@ def main():
         ("linear_act_forward", lambda: linear_act_forward(x, w, b, "gelu")),
         ("linear_act_dgrad", lambda: linear_act_dgrad(dy, w2, saved, "gelu")),
         ("linear_act through the custom op", lambda: linear_act_op.op(x, w, b, "gelu", True)),
+        ("dgrad through the custom op", lambda: dgrad_op.op(dy, w2, saved, "gelu", True)),
+        ("swiglu linear_act through the custom op", lambda: linear_act_op.op(x, w_gate_up, None, "swiglu", True)),
+        ("swiglu dgrad through the custom op", lambda: dgrad_op.op(dy, w2, saved_gate_up, "swiglu", False)),
         ("FusedMLP fwd (no grad)", lambda: fused(x)),
         ("FusedMLP fwd+bwd", lambda: fused(xg).backward(dy)),
         ("eager MLP fwd+bwd", lambda: eager(xg).backward(dy)),

@@ -3,6 +3,8 @@ the same steps as bench.py: wall ms per step, host ms to enqueue a step (no sync
 GPU's busy time per step (sum of kernel times from torch.profiler), and the kernels grouped by kind.
 
     python tools/profile_step.py configs/gpt2_124m.py [--activation=swiglu] [--variants=eager+compile,fused+compile]
+    (a variant is eager or fused, optionally +compile or +<a torch.compile mode>, e.g. fused+reduce-overhead;
+    --cpu-ops N lists the operators by host time, --cprofile N the Python functions)
 
 A step whose host time exceeds its GPU time is host-bound (the GPU waits on Python); otherwise the kernel
 table says which kernels the time goes to.
@@ -63,10 +65,15 @@ def profile_variant(model_args, state, mlp, compiled, batches, args, dtype, step
         prof.disable()
         for order in ("tottime", "cumulative"):
             pstats.Stats(prof).sort_stats(order).print_stats(args.cprofile)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if args.cpu_ops:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities) as prof:
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()
+    if args.cpu_ops:  # host time per operator (the profiler's own overhead included), per step
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.cpu_ops))
     per_kind, per_kernel = collections.Counter(), collections.Counter()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
@@ -85,9 +92,10 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12, help="kernels listed per variant")
     ap.add_argument("--cprofile", type=int, default=0, help="also list this many Python functions by host time")
+    ap.add_argument("--cpu-ops", type=int, default=0, help="also list this many operators by host (CPU) time")
     a = ap.parse_args()
     args = bench.parse_args([a.config] + ([f"--activation={a.activation}"] if a.activation else []))
-    args.warmup, args.steps, args.cprofile = a.warmup, a.steps, a.cprofile
+    args.warmup, args.steps, args.cprofile, args.cpu_ops = a.warmup, a.steps, a.cprofile, a.cpu_ops
     model_args, batch_size = bench.load_config(args)
     dtype = bench.pick_dtype(args)
     batches = bench.make_batches(model_args, batch_size, args)
@@ -95,7 +103,9 @@ def main():
     state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
     results = {}
     for v in a.variants.split(","):
-        results[v] = r = profile_variant(model_args, state, v.split("+")[0], v.endswith("+compile"), batches, args, dtype)
+        mlp, _, setting = v.partition("+")  # fused, fused+compile, fused+reduce-overhead (a torch.compile mode)
+        compiled = bench.compile_setting({"": "False", "compile": "True"}.get(setting, setting))
+        results[v] = r = profile_variant(model_args, state, mlp, compiled, batches, args, dtype)
         print(f"\n== {v}: top kernels, ms per step")
         for name, ms in r["kernels"].most_common(a.top):
             print(f"  {ms:7.3f}  {name}")
