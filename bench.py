@@ -24,6 +24,7 @@ width: 12288 for 768, 16384 for 1024, 8192 above (--mlp_tokens to change). Defau
 import argparse
 import contextlib
 import csv
+import gc
 import json
 import os
 import runpy
@@ -104,9 +105,9 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
     def step(i):
-        if compiled:  # a new step for CUDA graphs (reduce-overhead): the last step's outputs may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
         for x, y in batches[i % len(batches)]:
+            if compiled:  # a new run for CUDA graphs (reduce-overhead): the last one's outputs may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             with autocast:
                 _, loss = step_model(x, y)
             (loss / len(batches[0])).backward()
@@ -124,7 +125,11 @@ def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
     for i in range(args.warmup + args.steps):
         if cuda and i == args.warmup:
             # Peak memory of the timed steps only: one-time work in the first steps (torch.compile, the
-            # kernels' tuning with do_bench's 256 MB cache-flush buffer) is not what training holds.
+            # kernels' tuning with do_bench's 256 MB cache-flush buffer) is not what training holds. Cached
+            # blocks of earlier variants and of warm-up go back first, or the reserved peak would start at them
+            # (CUDA graphs' pools stay: they are in use).
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if cuda:
             torch.cuda.synchronize()
@@ -212,7 +217,11 @@ def mlp_widths(args):
     widths = [int(c) for c in args.mlp_widths.split(",")]
     tokens = ([int(m) for m in args.mlp_tokens.split(",")] if args.mlp_tokens
               else [bench_mlp.DEFAULT_TOKENS.get(C, 8192) for C in widths])
-    compiled = "True" in args.compile.split(",")
+    settings = [compile_setting(c) for c in args.compile.split(",")]
+    if any(c not in (True, False) for c in settings):
+        raise SystemExit(f"--mlp_widths takes --compile=True and/or False (torch.compile's default mode), "
+                         f"got {args.compile}")
+    compiled = True in settings
     paths = ["eager", "fused"] + (["compile"] if compiled else [])
     torch.manual_seed(0)
     tflops, gbps = bench_mlp.measure_peaks(args.device, dtype)

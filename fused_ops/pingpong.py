@@ -28,6 +28,7 @@ else; FUSED_OPS_PINGPONG=0 turns this off.
 
 import functools
 import os
+import types
 
 import torch
 
@@ -289,7 +290,8 @@ def usable(a, matrices, vectors=(), split=None):
     kernels do): a Hopper GPU with the TMA paths on (FUSED_OPS_TMA), one 16-bit dtype for a and every
     matrix, all of them TMA-readable, contiguous vectors (bias) on the same device. split: a gated op's
     column count N, where its [gate | up] matrices are cut in two (each half's start 16-byte aligned)."""
-    if not (AVAILABLE and ENABLED and a.dtype in (torch.bfloat16, torch.float16) and _hopper(a.device)):
+    if not (AVAILABLE and ENABLED and a.dtype in (torch.bfloat16, torch.float16) and matmul.tma_available(a.device)
+            and matmul._capability(a.device.index)[0] == 9):
         return False
     for m in (a, *matrices):
         if m is not None and (m.dtype != a.dtype or not matmul._tma_readable(m)):
@@ -298,11 +300,6 @@ def usable(a, matrices, vectors=(), split=None):
         if v is not None and not (v.is_contiguous() and v.device == a.device):
             return False
     return split is None or split * a.element_size() % 16 == 0
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper(device):
-    return matmul.tma_available(device) and matmul._capability(device.index)[0] == 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,8 +314,8 @@ def _shared_layout(rows, cols, dtype):
 
 
 class _Address:
-    """A cached descriptor's base in place of its tensor: the launcher reads only the address (and the
-    descriptor's checks the dtype), and a cache must not keep activations alive."""
+    """A cached descriptor's base in place of its tensor, so that the cache keeps no activation alive: the
+    launcher reads only its data_ptr(); the descriptor's checks and the JIT's type string read its dtype."""
     __slots__ = ("address", "dtype")
 
     def __init__(self, t):
@@ -333,10 +330,12 @@ MAX_DESCRIPTORS = 4096  # more than a training step's distinct ones; the cache i
 
 
 def _descriptor(t, block):
-    """A TMA descriptor of the 2-D tensor t in `block` tiles. It is a function of t's address, shape,
-    strides and dtype only, so one made earlier for a tensor at the same address and layout is the same
-    descriptor: a training step allocates its activations at the same addresses as the step before, and
-    making one is a large part of a launch's host time (~11 us on the H100 machine; notes/perf.md)."""
+    """A host-side TMA descriptor of the 2-D tensor t in `block` tiles. It is a function of t's address,
+    shape, strides and dtype only, so one made earlier for a tensor at the same address and layout is the
+    same descriptor: a training step allocates its activations at the same addresses as the step before.
+    The cache saves building and checking the Python object (with the encoding below, ~11 us a descriptor
+    on the H100 machine; notes/perf.md); Triton's launcher still encodes each descriptor it is passed at
+    every launch, which is why the kernel is passed None for the ones it does not use."""
     key = (t.data_ptr(), t.shape, t.stride(), t.dtype, block)
     desc = _descriptors.get(key)
     if desc is None:
@@ -356,8 +355,9 @@ def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS
     b_block = (tn, BLOCK_K) if b_kmajor else (BLOCK_K, tn)
     part = (BLOCK_M, PART)
     stages, staging = SHARED_MEMORY_PLAN[EPILOGUE, GATED]
-    consts = dict(B_KMAJOR=b_kmajor, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION, UP_ACTIVATION=UP_ACTIVATION,
-                  GATED=GATED, HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging)
+    consts = types.MappingProxyType(dict(  # read-only: every launch of the variant shares it
+        B_KMAJOR=b_kmajor, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION, UP_ACTIVATION=UP_ACTIVATION, GATED=GATED,
+        HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging))
     return ((BLOCK_M, BLOCK_K), b_block, b_block, part, part, part, part), tn, consts
 
 
@@ -379,8 +379,9 @@ def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None
 def _run(args, consts, tiles, device):
     """Launch on min(tiles, SMs) persistent programs, compiling on the first call of a specialization."""
     grid = (min(tiles, _num_sms(device)), 1, 1)
-    # descriptors are typed by their dtype and block (fixed by the constexprs); the rest as Triton specializes them
-    key = (args[0].base.dtype, tuple(consts.values()), _specialization(args[7:]))
+    # descriptors are typed by their dtype and block (fixed by the constexprs) and by being None or not; the
+    # rest as Triton specializes them
+    key = (args[0].base.dtype, tuple(consts.values()), tuple(d is None for d in args[:7]), _specialization(args[7:]))
     compiled = _compiled.get(key)
     if compiled is not None:
         compiled[grid](*args, *consts.values())

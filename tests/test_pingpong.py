@@ -83,6 +83,8 @@ def test_descriptor_cache_keeps_no_tensor():
     assert pingpong._descriptor(t, (128, 32)) is not desc
     assert pingpong._descriptor(t[:128], (128, 64)).shape == [128, 128]
     assert pingpong._descriptor(t.view(128, 256), (128, 64)).strides == [256, 1]
+    assert pingpong._descriptor(t[64:], (128, 64)).base.data_ptr() == t[64:].data_ptr()  # a view's own address
+    assert pingpong._descriptor(t.view(torch.float16), (128, 64)) is not desc  # same address, another dtype
     gone = weakref.ref(t)
     del t
     assert gone() is None

@@ -72,7 +72,7 @@ def profile_variant(model_args, state, mlp, compiled, batches, args, dtype, step
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()
-    if args.cpu_ops:  # host time per operator (the profiler's own overhead included), per step
+    if args.cpu_ops:  # host time per operator over the profiled steps (the profiler's own overhead included)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.cpu_ops))
     per_kind, per_kernel = collections.Counter(), collections.Counter()
     for e in prof.events():
