@@ -119,17 +119,16 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
 
 
 def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
+    if args.device.startswith("cuda"):  # blocks cached by earlier variants would count in this one's reserved peak
+        gc.collect()
+        torch.cuda.empty_cache()
     model, step = make_step(model_args, state, mlp, compiled, batches, args, dtype)
     cuda = args.device.startswith("cuda")
     losses, times = [], []
     for i in range(args.warmup + args.steps):
         if cuda and i == args.warmup:
             # Peak memory of the timed steps only: one-time work in the first steps (torch.compile, the
-            # kernels' tuning with do_bench's 256 MB cache-flush buffer) is not what training holds. Cached
-            # blocks of earlier variants and of warm-up go back first, or the reserved peak would start at them
-            # (CUDA graphs' pools stay: they are in use).
-            gc.collect()
-            torch.cuda.empty_cache()
+            # kernels' tuning with do_bench's 256 MB cache-flush buffer) is not what training holds.
             torch.cuda.reset_peak_memory_stats()
         if cuda:
             torch.cuda.synchronize()
