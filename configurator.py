@@ -31,13 +31,13 @@ def coerce(key, value, allowed, raw=None):
     """
     if value is None and type(None) in allowed:
         return None
-    if str in allowed and raw is not None:
-        return value if isinstance(value, str) else raw
-    if bool in allowed:
+    if bool in allowed:  # before the verbatim-string rule, for keys that take both: --compile=True
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off"):
             return value.lower() in ("true", "yes", "on")
+    if str in allowed and raw is not None:
+        return value if isinstance(value, str) else raw
     if int in allowed and not isinstance(value, bool):
         if isinstance(value, int):
             return value

@@ -67,14 +67,15 @@ DEFAULTS = dict(
     # system
     device="auto",  # "auto" (cuda > mps > cpu), "cpu", "cuda", "cuda:1", "mps"
     dtype="auto",  # "auto" (bf16 on GPUs that have it, else fp16 on cuda, fp32 elsewhere) | bfloat16 | float16 | float32
-    compile=False,
+    compile=False,  # True (torch.compile), or a torch.compile mode: "reduce-overhead" adds CUDA graphs
     seed=1337,
     # extras
     sample_after=False,  # print a short sample when training ends
     plot=True,  # write out_dir/loss.png when training ends
     progress=True,  # tqdm progress bar
 )
-KEY_TYPES = {"vocab_size": (int, type(None))}
+KEY_TYPES = {"vocab_size": (int, type(None)), "compile": (bool, str)}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "mlp", "activation", "fuse_ln")
 ARCH_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "activation")  # fixed by a checkpoint
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,6 +96,8 @@ def check_config(cfg):
         need(cfg[k] > 0, f"config key '{k}' must be positive, got {cfg[k]}")
     need(cfg["max_iters"] >= 0, f"config key 'max_iters' must be >= 0, got {cfg['max_iters']}")
     need(0.0 <= cfg["dropout"] < 1.0, f"config key 'dropout' must be in [0, 1), got {cfg['dropout']}")
+    need(isinstance(cfg["compile"], bool) or cfg["compile"] in COMPILE_MODES,
+         f"config key 'compile' must be True, False or one of {', '.join(COMPILE_MODES)}; got {cfg['compile']!r}")
     try:  # model.py validates mlp, activation, n_embd % n_head: ask it now, before any data is prepared
         GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
     except ValueError as e:
@@ -144,8 +147,15 @@ class Batches:
         return x.to(self.device), y.to(self.device)
 
 
+def new_step(cfg):
+    """Under CUDA graphs (compile modes with them) a new run of the model may overwrite the last one's
+    outputs: say so before each forward. The losses read from a run are used before the next one starts."""
+    if cfg["compile"] in ("reduce-overhead", "max-autotune"):
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 @torch.no_grad()
-def estimate_loss(model, batches, eval_iters, autocast, seed, world):
+def estimate_loss(model, batches, eval_iters, autocast, seed, world, cfg):
     """Mean loss over eval_iters batches of each split, averaged over all processes. The batches come from
     their own generator, reseeded every time: evals are comparable and never move the training RNG."""
     model.eval()
@@ -154,6 +164,7 @@ def estimate_loss(model, batches, eval_iters, autocast, seed, world):
         gen = torch.Generator().manual_seed(seed)
         for _ in range(eval_iters):
             x, y = batches.get(split, gen)
+            new_step(cfg)
             with autocast:
                 out[i] += model(x, y)[1].float() / eval_iters
     model.train()
@@ -330,7 +341,8 @@ def train(cfg, ckpt, ckpt_path, device, rank, world):
         del ckpt  # free the memory it holds
     resumed_at = iter_num if last_saved is not None else None
 
-    model = torch.compile(raw_model) if cfg["compile"] else raw_model
+    compile_mode = None if cfg["compile"] in (True, "default") else cfg["compile"]
+    model = torch.compile(raw_model, mode=compile_mode) if cfg["compile"] else raw_model
     eval_model = model  # evaluated without the DDP wrapper: no gradient sync needed
     if world > 1:
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None)
@@ -384,7 +396,8 @@ def train(cfg, ckpt, ckpt_path, device, rank, world):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if cfg["eval_only"] or (iter_num != resumed_at and (iter_num % cfg["eval_interval"] == 0 or iter_num >= cfg["max_iters"])):
-                losses = estimate_loss(eval_model, batches, cfg["eval_iters"], autocast, cfg["seed"] + 7 + rank, world)
+                losses = estimate_loss(eval_model, batches, cfg["eval_iters"], autocast, cfg["seed"] + 7 + rank, world,
+                                       cfg)
                 if not all(map(math.isfinite, losses.values())):
                     raise diverged("val/train loss", losses, lr)
                 write_log({"type": "eval", "iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr})
@@ -405,6 +418,7 @@ def train(cfg, ckpt, ckpt_path, device, rank, world):
             for micro in range(accum):
                 sync = model.no_sync() if world > 1 and micro < accum - 1 else contextlib.nullcontext()
                 with sync:
+                    new_step(cfg)
                     with autocast:
                         loss = model(x, y)[1] / accum
                     batch_state = batches.gen.get_state()

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 import bench
@@ -44,3 +45,13 @@ def test_bench_mlp_widths(tmp_path):
     with open(out + ".json") as f:
         saved = json.load(f)
     assert len(saved["rows"]) == 8 and saved["env"]["matmul_tflops"] > 0
+
+
+def test_compile_settings_and_labels():
+    """--compile's entries: booleans, or a torch.compile mode named in the variant's label; the MLP-alone
+    table takes only the booleans and says so."""
+    assert [bench.compile_setting(c) for c in ("False", "True", "reduce-overhead")] == [False, True, "reduce-overhead"]
+    assert [bench.label({"mlp": "fused", "compile": c}) for c in (False, True, "reduce-overhead")] == \
+        ["fused", "fused +compile", "fused +reduce-overhead"]
+    with pytest.raises(SystemExit, match="--mlp_widths takes --compile=True and/or False"):
+        bench.main(["--mlp_widths=32", "--compile=reduce-overhead", "--device=cpu"])

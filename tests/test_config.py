@@ -127,3 +127,15 @@ def test_config_values():
     gpt2 = parse_config(train.DEFAULTS, [os.path.join(base, "gpt2_124m.py")], train.KEY_TYPES)
     assert (gpt2["n_layer"], gpt2["n_head"], gpt2["n_embd"], gpt2["block_size"], gpt2["vocab_size"]) == (12, 12, 768, 1024, 50304)
     assert gpt2["batch_size"] * gpt2["gradient_accumulation_steps"] * gpt2["block_size"] == 491520
+
+
+def test_compile_takes_booleans_or_a_mode():
+    """train.py's compile: True / False in any spelling, or a torch.compile mode; anything else is rejected
+    by name before training starts."""
+    parse = lambda *argv: parse_config(train.DEFAULTS, list(argv), train.KEY_TYPES)
+    assert [parse(a)["compile"] for a in ("--compile", "--compile=True", "--compile=false", "--compile=off")] == \
+        [True, True, False, False]
+    assert parse("--compile=reduce-overhead")["compile"] == "reduce-overhead"
+    train.check_config(parse("--compile=reduce-overhead"))
+    with pytest.raises(ConfigError, match="config key 'compile' must be True, False or one of default, reduce-overhead"):
+        train.check_config(parse("--compile=fast"))
