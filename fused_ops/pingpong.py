@@ -333,9 +333,9 @@ def _descriptor(t, block):
     """A host-side TMA descriptor of the 2-D tensor t in `block` tiles. It is a function of t's address,
     shape, strides and dtype only, so one made earlier for a tensor at the same address and layout is the
     same descriptor: a training step allocates its activations at the same addresses as the step before.
-    The cache saves building and checking the Python object (with the encoding below, ~11 us a descriptor
-    on the H100 machine; notes/perf.md); Triton's launcher still encodes each descriptor it is passed at
-    every launch, which is why the kernel is passed None for the ones it does not use."""
+    The cache saves building and checking the Python object. Triton's launcher still encodes each
+    descriptor it is passed at every launch (the two together took ~11 us a descriptor on the H100
+    machine; notes/perf.md), which is why the kernel is passed None for the ones it does not use."""
     key = (t.data_ptr(), t.shape, t.stride(), t.dtype, block)
     desc = _descriptors.get(key)
     if desc is None:
@@ -361,7 +361,7 @@ def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS
     return ((BLOCK_M, BLOCK_K), b_block, b_block, part, part, part, part), tn, consts
 
 
-_compiled = {}  # (dtype, constexprs, specialization) -> compiled kernel, launched directly (see tuning.LaunchPlan)
+_compiled = {}  # (dtype, constexprs, which descriptors are None, specialization) -> compiled kernel (see _run)
 
 
 def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None, **consts):
