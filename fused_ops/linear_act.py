@@ -118,11 +118,12 @@ def fold_layernorm(weight, bias, ln_weight, ln_bias):
     (fp64 for fp64). colsum is summed from the rounded W' the kernel multiplies with, so the mean term
     cancels exactly what the matmul added."""
     acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    w_folded = weight if ln_weight is None else (weight.to(acc) * ln_weight.to(acc)).to(weight.dtype)
-    colsum = w_folded.to(acc).sum(1)
-    b_folded = torch.zeros(weight.shape[0], device=weight.device, dtype=acc) if bias is None else bias.to(acc)
-    if ln_bias is not None:
-        b_folded = b_folded + weight.to(acc) @ ln_bias.to(acc)
+    with torch.autocast(weight.device.type, enabled=False):  # W β in fp32, not in the autocast dtype
+        w_folded = weight if ln_weight is None else (weight.to(acc) * ln_weight.to(acc)).to(weight.dtype)
+        colsum = w_folded.to(acc).sum(1)
+        b_folded = torch.zeros(weight.shape[0], device=weight.device, dtype=acc) if bias is None else bias.to(acc)
+        if ln_bias is not None:
+            b_folded = b_folded + weight.to(acc) @ ln_bias.to(acc)
     return w_folded, colsum, b_folded
 
 

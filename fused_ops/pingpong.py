@@ -290,14 +290,16 @@ def usable(a, matrices, vectors=(), split=None):
     kernels do): a Hopper GPU with the TMA paths on (FUSED_OPS_TMA), one 16-bit dtype for a and every
     matrix, all of them TMA-readable, contiguous vectors (bias) on the same device. split: a gated op's
     column count N, where its [gate | up] matrices are cut in two (each half's start 16-byte aligned)."""
-    if not (AVAILABLE and ENABLED and a.dtype in (torch.bfloat16, torch.float16) and matmul.tma_available(a.device)
-            and matmul._capability(a.device.index)[0] == 9):
+    if not (AVAILABLE and ENABLED and a.dtype in (torch.bfloat16, torch.float16) and a.is_cuda):
+        return False
+    device = a.device
+    if not (matmul.tma_available(device) and matmul._capability(device.index)[0] == 9):
         return False
     for m in (a, *matrices):
         if m is not None and (m.dtype != a.dtype or not matmul._tma_readable(m)):
             return False
     for v in vectors:
-        if v is not None and not (v.is_contiguous() and v.device == a.device):
+        if v is not None and not (v.is_contiguous() and v.device == device):
             return False
     return split is None or split * a.element_size() % 16 == 0
 

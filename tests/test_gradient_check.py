@@ -66,3 +66,31 @@ def check_fused_model_matches_eager(activation, fuse_ln):
     for name in grads_e:
         assert_no_worse_than_eager(grads_f[name], grads_e[name], grads_r[name], f"{activation} grad {name}")
         assert rel_err(grads_f[name], grads_e[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("fuse_ln", [False, True], ids=["mlp", "ln+mlp"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_fused_model_matches_eager_under_fp16_autocast(activation, fuse_ln):
+    """fp32 weights under fp16 autocast, as in mixed-precision training: the fused MLP casts what it is given
+    as nn.Linear would, and the folded LayerNorm keeps its parameters and its W β in fp32.
+    (bf16 autocast is tested on the GPU: bf16 dot is wrong in the interpreter.)"""
+    torch.manual_seed(0)
+    cfg = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True,
+               activation=activation)
+    eager = GPT(GPTConfig(mlp="eager", **cfg)).to(DEVICE)
+    fused = GPT(GPTConfig(mlp="fused", fuse_ln=fuse_ln, **cfg)).to(DEVICE)
+    fused.load_state_dict(eager.state_dict())
+    reference = copy.deepcopy(eager).double()
+    idx = torch.randint(0, 50, (3, 16), device=DEVICE)
+    targets = torch.randint(0, 50, (3, 16), device=DEVICE)
+    results = {}
+    for name, model, autocast in (("fused", fused, True), ("eager", eager, True), ("ref", reference, False)):
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=autocast):
+            results[name] = loss_and_grads(model, idx, targets)
+    (loss_f, grads_f), (loss_e, grads_e), (loss_r, grads_r) = results["fused"], results["eager"], results["ref"]
+    assert torch.isfinite(loss_f) and loss_f.dtype == loss_e.dtype
+    assert_no_worse_than_eager(loss_f, loss_e, loss_r, "loss", compute_dtype=torch.float16)
+    for name in grads_e:
+        assert grads_f[name].dtype == grads_e[name].dtype == torch.float32, name
+        assert_no_worse_than_eager(grads_f[name], grads_e[name], grads_r[name], f"{activation} grad {name}",
+                                   compute_dtype=torch.float16)

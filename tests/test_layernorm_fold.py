@@ -155,3 +155,16 @@ def test_fuse_ln_checkpoints_load_either_way():
     plain = GPT(GPTConfig(mlp="eager", **cfg))
     assert folded.state_dict().keys() == plain.state_dict().keys()
     plain.load_state_dict(folded.state_dict())
+
+
+def test_fold_is_computed_in_fp32_under_autocast():
+    """W·γ, its column sums and b + W β do not change under autocast (the fused MLP leaves autocast on)."""
+    from fused_ops.linear_act import fold_layernorm
+
+    w, b = make((24, 40), torch.float32, 0.2), make((24,), torch.float32)
+    g, beta = ln_params(40, torch.float32)
+    plain = fold_layernorm(w, b, g, beta)
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        under_autocast = fold_layernorm(w, b, g, beta)
+    for p, a in zip(plain, under_autocast):
+        assert a.dtype == p.dtype and torch.equal(a, p)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fused_ops import FusedMLP, linear_act_dgrad, linear_act_forward
-from fused_ops import tuning
+from fused_ops import pingpong, tuning
 from fused_ops.matmul import TensorDescriptor
 from fused_ops.ops import dgrad_op, linear_act_op
 from model import MLP, GPTConfig
@@ -52,6 +52,12 @@ def host_us(fn, n=50, repeats=9):
     return statistics.median(rounds)
 
 
+def autocast_step(mlp, x, dy):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = mlp(x)
+    y.backward(dy)
+
+
 def main():
     dt = torch.bfloat16
     cfg = GPTConfig(n_embd=768, n_head=12, activation="gelu")
@@ -59,6 +65,7 @@ def main():
     x = torch.randn(M, C, device="cuda", dtype=dt)
     fused = FusedMLP(cfg).cuda().to(dt)
     eager = MLP(cfg).cuda().to(dt)
+    fused32, eager32 = FusedMLP(cfg).cuda(), MLP(cfg).cuda()
     w, b = fused.c_fc.weight.detach(), fused.c_fc.bias.detach()
     buf = torch.randn(1024, device="cuda")
     t2 = torch.randn(64, 64, device="cuda", dtype=dt)
@@ -83,8 +90,17 @@ def main():
         ("FusedMLP fwd (no grad)", lambda: fused(x)),
         ("FusedMLP fwd+bwd", lambda: fused(xg).backward(dy)),
         ("eager MLP fwd+bwd", lambda: eager(xg).backward(dy)),
+        # as in training: fp32 weights under bf16 autocast (each call casts them)
+        ("FusedMLP fwd+bwd, fp32 weights, autocast", lambda: autocast_step(fused32, xg, dy)),
+        ("eager MLP fwd+bwd, fp32 weights, autocast", lambda: autocast_step(eager32, xg, dy)),
     ]
     results = [(name, host_us(fn)) for name, fn in rows]
+    # What of the fused MLP's host time is the ping-pong launches (Triton's launcher, descriptors included):
+    # the same fwd+bwd with them replaced by a no-op (outputs left unwritten).
+    run = pingpong._run
+    pingpong._run = lambda *args: None
+    results.append(("FusedMLP fwd+bwd, ping-pong launches skipped", host_us(lambda: fused(xg).backward(dy))))
+    pingpong._run = run
     # The same calls with every kernel launched through Triton's JIT instead of the kept compiled kernel.
     for plan in tuning._plans.values():
         plan.direct = False

@@ -63,6 +63,7 @@ def main():
         "eager linear, activation": lambda: eager_act(*act_args(torch.nn.functional.linear(x, w, b))),
         "Triton linear+act (+dh/dz)": triton_kernels(lambda: linear_act_forward(x, w, b, act, out=h, saved=dh)),
         "ping-pong linear+act (+dh/dz)": lambda: linear_act_forward(x, w, b, act, out=h, saved=dh),
+        "ping-pong linear+act, no dh/dz": lambda: linear_act_forward(x, w, b, act, save=False, out=h),
         "cuBLAS grad_y @ W2": lambda: g @ w2,
         "eager matmul, * dh/dz": eager_dgrad,
         "Triton dgrad (+bias grad)": triton_kernels(lambda: linear_act_dgrad(g, w2, dh, act, out=grad)),
