@@ -255,7 +255,8 @@ def mlp_widths(args):
     for r in rows:
         graphed = "" if r["graph_fwdbwd_ms"] is None else f"{r['graph_fwdbwd_ms']:.3f}"
         print(f"{r['activation'] + ' C=' + str(r['C']) + ' M=' + str(r['M']):<24}{r['path']:<9}{r['fwd_ms']:9.3f}"
-              f"{r['fwd_pct_floor']:6.0f}%{r['fwdbwd_ms']:11.3f}{r['fwdbwd_pct_floor']:6.0f}%{graphed:>9}  {r['correct']}")
+              f"{r['fwd_pct_floor']:6.0f}%{r['fwdbwd_ms']:11.3f}{r['fwdbwd_pct_floor']:6.0f}%{graphed:>9}"
+              f"  {r['correct']}")
     return rows
 
 

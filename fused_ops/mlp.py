@@ -154,8 +154,8 @@ def _autocast(*tensors):
 
     Autocast itself is left on: every tensor the autograd Functions then see already has the autocast
     dtype, so the one cuBLAS call autocast covers (addmm) gets them unchanged, and the kernels ignore it.
-    (fold_layernorm's fp32 arithmetic turns it off for itself.) Entering a context that turned it off cost
-    more host time per call than any other single step of the fused MLP's Python."""
+    (fold_layernorm's fp32 arithmetic turns it off for itself.) A context that turned it off around each
+    call cost ~5 us of host time a call (timeit, on a fast CPU)."""
     device_type = tensors[0].device.type
     if not torch.is_autocast_enabled(device_type):
         return tensors

@@ -85,8 +85,10 @@ def test_fused_model_matches_eager_under_fp16_autocast(activation, fuse_ln):
     targets = torch.randint(0, 50, (3, 16), device=DEVICE)
     results = {}
     for name, model, autocast in (("fused", fused, True), ("eager", eager, True), ("ref", reference, False)):
-        with torch.autocast(DEVICE, dtype=torch.float16, enabled=autocast):
-            results[name] = loss_and_grads(model, idx, targets)
+        with torch.autocast(DEVICE, dtype=torch.float16, enabled=autocast):  # the forward, as train.py does
+            _, loss = model(idx, targets)
+        loss.backward()
+        results[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
     (loss_f, grads_f), (loss_e, grads_e), (loss_r, grads_r) = results["fused"], results["eager"], results["ref"]
     assert torch.isfinite(loss_f) and loss_f.dtype == loss_e.dtype
     assert_no_worse_than_eager(loss_f, loss_e, loss_r, "loss", compute_dtype=torch.float16)

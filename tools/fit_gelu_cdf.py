@@ -1,4 +1,5 @@
-"""Fit the polynomial of activations.gelu_and_grad_16bit: Φ(-|x|) = exp(-x²/2) · t · S(t), t = 1 / (1 + |x| / (2√2)).
+"""Fit the polynomial of activations.gelu_and_grad_16bit:
+Φ(-|x|) = exp(-x²/2) · t · S(t) with t = 1 / (1 + |x| / (2√2)).
 
 S(t) = erfcx(u) / (2t) with u = |x| / √2 = 2 (1/t - 1), a smooth function on t in (0, 1], fitted with a
 polynomial by least squares on the relative error, reweighted towards the largest errors until the fit is

@@ -99,8 +99,10 @@ def main():
     # the same fwd+bwd with them replaced by a no-op (outputs left unwritten).
     run = pingpong._run
     pingpong._run = lambda *args: None
-    results.append(("FusedMLP fwd+bwd, ping-pong launches skipped", host_us(lambda: fused(xg).backward(dy))))
-    pingpong._run = run
+    try:
+        results.append(("FusedMLP fwd+bwd, ping-pong launches skipped", host_us(lambda: fused(xg).backward(dy))))
+    finally:
+        pingpong._run = run
     # The same calls with every kernel launched through Triton's JIT instead of the kept compiled kernel.
     for plan in tuning._plans.values():
         plan.direct = False
