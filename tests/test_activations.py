@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from fused_ops.activations import GATED, PLAIN, activation, activation_grad, gelu_and_grad_16bit
+from model import PLAIN_ACTIVATIONS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 1024
@@ -37,9 +38,8 @@ def evaluate(name, x):
 def reference(name, x):
     """(act(x), act'(x)) in float64 by autograd through PyTorch's own functions."""
     x = x.double().cpu().requires_grad_()
-    f = {"identity": lambda v: v, "gelu": torch.nn.functional.gelu,
-         "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh"), "relu": torch.relu,
-         "relu2": lambda v: torch.relu(v) ** 2, "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid,
+    # the model's eager activations, and the halves the gated ones are built from
+    f = {**PLAIN_ACTIVATIONS, "identity": lambda v: v, "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid,
          "tanh": torch.tanh}[name]
     y = f(x)
     (grad,) = torch.autograd.grad(y.sum(), x)
