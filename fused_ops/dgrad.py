@@ -88,7 +88,8 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
     if M == 0:
         return out, (torch.zeros(saved.shape[1], device=saved.device, dtype=sum_dtype) if bias_grad else None)
-    if pingpong.usable(grad_y, (w2, saved, out), split=N if gated else None):
+    if (pingpong.takes_dgrad(gated, K, bias_grad)
+            and pingpong.usable(grad_y, (w2, saved, out), split=N if gated else None)):
         return out, pingpong.dgrad(grad_y, w2, saved, out, gated, bias_grad)  # Hopper, 16-bit: see pingpong.py
     descriptors, b_kmajor = tma_operands(grad_y, w2)
     consts = dict(GATED=gated, BIAS_GRAD=bias_grad,

@@ -285,6 +285,19 @@ if AVAILABLE:
         ], PARTITION_WARPS, PARTITION_REGS)
 
 
+# The gated dgrad has only 3 ring slots (both saved halves are prefetched into shared memory, see
+# SHARED_MEMORY_PLAN) and reduces the bias gradient over 8 parts. On an H100 the Triton dgrad beats it once K
+# (the model width) passes 768, or whenever the bias gradient is asked for (results/pingpong_h100.txt §10), so
+# the gated dgrad runs here only below that. The plain dgrad is as fast as the Triton one or faster at every
+# width measured (768 to 4096).
+GATED_DGRAD_MAX_K = 768
+
+
+def takes_dgrad(gated, K, bias_grad):
+    """Whether the dgrad should run here rather than in the Triton kernel, where usable() allows both."""
+    return not gated or (K <= GATED_DGRAD_MAX_K and not bias_grad)
+
+
 def usable(a, matrices, vectors=(), split=None):
     """Whether the ping-pong kernel can run out = epilogue(a @ B) for these operands (else the Triton
     kernels do): a Hopper GPU with the TMA paths on (FUSED_OPS_TMA), one 16-bit dtype for a and every

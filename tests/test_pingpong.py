@@ -135,7 +135,12 @@ def test_forward_and_dgrad(dtype, act, M, K, N, bias, launches):
         grad_z2, none = linear_act_dgrad(grad_y, w2, saved, act, bias_grad=False,
                                          out=poisoned((M, rows), dtype, "cuda"))
         assert none is None and torch.equal(grad_z2, grad_z)
-    assert launches == ["act", "mul"] + ([] if bias else ["mul"])
+    gated = act in GATED_ACTIVATIONS
+    assert launches == (["act"] + ["mul"] * pingpong.takes_dgrad(gated, K, True)
+                        + ([] if bias else ["mul"] * pingpong.takes_dgrad(gated, K, False)))
+    if gated:  # the ping-pong dgrad itself, also where the Triton one is faster and takes over
+        grad_z3 = poisoned((M, rows), dtype, "cuda")
+        check_dgrad(grad_z3, pingpong.dgrad(grad_y, w2, saved, grad_z3, True, True), grad_y, w2, saved, act)
 
 
 @pytest.mark.gpu

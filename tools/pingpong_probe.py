@@ -31,7 +31,7 @@ def main():
     a = p.parse_args()
     act, M, C, dt = a.activation, a.M, a.C, torch.bfloat16
     gated = act in GATED_ACTIVATIONS
-    H = a.H or GPTConfig(n_embd=C, activation=act).mlp_hidden
+    H = a.H or GPTConfig(n_embd=C, n_head=1, activation=act).mlp_hidden
     rows = 2 * H if gated else H  # W1's rows: [gate; up] when gated
     x = torch.randn(M, C, device="cuda", dtype=dt)
     w = torch.randn(rows, C, device="cuda", dtype=dt) / C ** 0.5
@@ -39,6 +39,7 @@ def main():
     g = torch.randn(M, C, device="cuda", dtype=dt)
     w2 = torch.randn(C, H, device="cuda", dtype=dt) / H ** 0.5
     h = torch.empty(M, H, device="cuda", dtype=dt)
+    z = torch.empty(M, rows, device="cuda", dtype=dt)  # x @ W.T + b alone: the main loop and one store
     dh, grad = (torch.empty(M, rows, device="cuda", dtype=dt) for _ in range(2))
     eager_act = GATED_ACTIVATIONS[act] if gated else PLAIN_ACTIVATIONS[act]
     act_args = (lambda z: z.chunk(2, dim=-1)) if gated else (lambda z: (z, ))
@@ -64,9 +65,12 @@ def main():
         "Triton linear+act (+dh/dz)": triton_kernels(lambda: linear_act_forward(x, w, b, act, out=h, saved=dh)),
         "ping-pong linear+act (+dh/dz)": lambda: linear_act_forward(x, w, b, act, out=h, saved=dh),
         "ping-pong linear+act, no dh/dz": lambda: linear_act_forward(x, w, b, act, save=False, out=h),
+        "ping-pong matmul (identity)": lambda: linear_act_forward(x, w, b, "identity", save=False, out=z),
         "cuBLAS grad_y @ W2": lambda: g @ w2,
         "eager matmul, * dh/dz": eager_dgrad,
         "Triton dgrad (+bias grad)": triton_kernels(lambda: linear_act_dgrad(g, w2, dh, act, out=grad)),
+        "Triton dgrad (no bias grad)": triton_kernels(lambda: linear_act_dgrad(g, w2, dh, act, bias_grad=False,
+                                                                               out=grad)),
         "ping-pong dgrad (+bias grad)": lambda: linear_act_dgrad(g, w2, dh, act, out=grad),
         "ping-pong dgrad (no bias grad)": lambda: linear_act_dgrad(g, w2, dh, act, bias_grad=False, out=grad),
     }
