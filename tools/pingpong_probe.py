@@ -71,8 +71,9 @@ def main():
         "Triton dgrad (+bias grad)": triton_kernels(lambda: linear_act_dgrad(g, w2, dh, act, out=grad)),
         "Triton dgrad (no bias grad)": triton_kernels(lambda: linear_act_dgrad(g, w2, dh, act, bias_grad=False,
                                                                                out=grad)),
-        "ping-pong dgrad (+bias grad)": lambda: linear_act_dgrad(g, w2, dh, act, out=grad),
-        "ping-pong dgrad (no bias grad)": lambda: linear_act_dgrad(g, w2, dh, act, bias_grad=False, out=grad),
+        # the kernel itself (linear_act_dgrad sends a gated dgrad to Triton where that is faster: takes_dgrad)
+        "ping-pong dgrad (+bias grad)": lambda: pingpong.dgrad(g, w2, dh, grad, gated, True),
+        "ping-pong dgrad (no bias grad)": lambda: pingpong.dgrad(g, w2, dh, grad, gated, False),
     }
     times = {}
     for name, fn in rows_.items():
