@@ -51,7 +51,13 @@ def eager_act_grad(name, z):
 def check_saved(saved, z_eager, z64, act):
     """What the forward kernel saved for backward, dh/dz, given the pre-activation z in the same dtype
     (eager) and in float64."""
-    assert_no_worse_than_eager(saved, eager_act_grad(act, z_eager), eager_act_grad(act, z64), "dh/dz")
+    eager, ref = eager_act_grad(act, z_eager), eager_act_grad(act, z64)
+    if act == "relu":
+        # relu' is a step: where z is within the same-dtype error of 0, its sign (and the step) is a coin toss
+        # for the kernel and for eager alike, and one flip more than eager is "twice its error". Compare the rest.
+        keep = z64.abs() > 2 * (z_eager.double() - z64).abs().max()
+        saved, eager, ref = saved[keep], eager[keep], ref[keep]
+    assert_no_worse_than_eager(saved, eager, ref, "dh/dz")
 
 
 def check_linear_act(out, saved, x, w, b, act):
@@ -62,9 +68,10 @@ def check_linear_act(out, saved, x, w, b, act):
     assert_no_worse_than_eager(out, eager_act(act, z_eager), eager_act(act, z64), "output")
 
 
-def check_dgrad(grad_z, grad_bias, grad_y, w2, saved, act):
+def check_dgrad(grad_z, grad_bias, grad_y, w2, saved, act, bias_grad=True):
     """The dgrad kernel's outputs, grad_z = grad_h * dh/dz with grad_h = grad_y @ w2 (repeated for both
-    halves when gated) and dh/dz the saved tensor, against float64 and the same-dtype eager computation."""
+    halves when gated) and dh/dz the saved tensor, against float64 and the same-dtype eager computation;
+    the bias gradient too if bias_grad, else that there is none."""
 
     def eager_grad(s, gy, w):
         grad_h = gy @ w
@@ -73,4 +80,7 @@ def check_dgrad(grad_z, grad_bias, grad_y, w2, saved, act):
     ref = eager_grad(saved.double(), grad_y.double(), w2.double())
     eager = eager_grad(saved, grad_y, w2)
     assert_no_worse_than_eager(grad_z, eager, ref, "grad_z")
-    assert_no_worse_than_eager(grad_bias, eager.float().sum(0), ref.sum(0), "bias grad")
+    if bias_grad:
+        assert_no_worse_than_eager(grad_bias, eager.float().sum(0), ref.sum(0), "bias grad")
+    else:
+        assert grad_bias is None

@@ -145,6 +145,27 @@ def test_forward_and_dgrad(dtype, act, M, K, N, bias, launches):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("act,K,bias_grad", [("swiglu", 768, False), ("swiglu", 768, True), ("swiglu", 1024, False),
+                                             ("gelu", 1024, True), ("gelu", 2048, False)])
+def test_dgrad_goes_where_it_is_faster(act, K, bias_grad, launches):
+    """The gated dgrad runs on the ping-pong kernel only up to K = GATED_DGRAD_MAX_K and without the bias
+    gradient (pingpong.takes_dgrad; the Triton one measured faster elsewhere), the plain one always; the
+    result is right either way."""
+    M, N, dtype = 300, 256, torch.bfloat16
+    gated = act in GATED_ACTIVATIONS
+    rows = 2 * N if gated else N
+    saved = torch.randn(M, rows, device="cuda", dtype=dtype)
+    grad_y = torch.randn(M, K, device="cuda", dtype=dtype)
+    w2 = (torch.randn(K, N, device="cuda") * N ** -0.5).to(dtype)
+    grad_z = poisoned((M, rows), dtype, "cuda")
+    _, grad_b = linear_act_dgrad(grad_y, w2, saved, act, bias_grad=bias_grad, out=grad_z)
+    check_dgrad(grad_z, grad_b, grad_y, w2, saved, act, bias_grad)
+    here = not gated or (K <= pingpong.GATED_DGRAD_MAX_K and not bias_grad)
+    assert launches == (["mul"] if here else [])
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_forward_without_saving_and_kept_kernels(launches):
     """save=False writes only the output; the second launch of a specialization uses the kept kernel."""
     M, K, N, dtype = 1000, 256, 384, torch.bfloat16

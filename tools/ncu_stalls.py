@@ -27,7 +27,8 @@ MARKERS = ("HGMMA", "MUFU", "FFMA", "STSM", "UTMASTG", "UTMALDG", "BAR", "SYNCS"
 
 def read_sass(path):
     """(stall-reason column names, instruction rows sorted by address, each with its offset)."""
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     header = rows[start]
     data = [dict(zip(header, r)) for r in rows[start + 1:] if len(r) == len(header)]
@@ -36,6 +37,11 @@ def read_sass(path):
     for d in data:
         d["offset"] = int(d["Address"], 16) - base
     return [h for h in header if h.startswith("stall_") and "Not Issued" not in h], data
+
+
+def number(text):
+    """A counter's value as ncu prints it (maybe empty, maybe with thousands separators)."""
+    return float(text.replace(",", "") or 0)
 
 
 def opcode(sass):
@@ -51,9 +57,11 @@ def main():
     p.add_argument("--block", type=int, default=128, help="instructions per range without cuts")
     a = p.parse_args()
     stalls, data = read_sass(a.csv)
-    total = sum(float(d[SAMPLES] or 0) for d in data)
+    total = sum(number(d[SAMPLES]) for d in data)
+    if not total:
+        raise SystemExit(f"{a.csv} has no stall samples: profile with --set full (or the SourceCounters section)")
     if a.cuts:
-        cuts = [0] + [int(c, 16) for c in a.cuts]
+        cuts = [0] + sorted(int(c, 16) for c in a.cuts)
         ranges = [[d for d in data if lo <= d["offset"] < hi] for lo, hi in zip(cuts, cuts[1:] + [1 << 62])]
     else:
         ranges = [data[i:i + a.block] for i in range(0, len(data), a.block)]
@@ -65,11 +73,11 @@ def main():
         reasons = collections.Counter()
         for d in r:
             for s in stalls:
-                reasons[s[len("stall_"):]] += float(d[s] or 0)
+                reasons[s[len("stall_"):]] += number(d[s])
         n = sum(reasons.values()) or 1
         kinds = collections.Counter(opcode(d["Source"]) for d in r if d["Source"].strip())
-        executed = sum(float(d["Instructions Executed"] or 0) for d in r)
-        share = sum(float(d[SAMPLES] or 0) for d in r) / total * 100
+        executed = sum(number(d["Instructions Executed"]) for d in r)
+        share = sum(number(d[SAMPLES]) for d in r) / total * 100
         top = ", ".join(f"{k} {v / n * 100:.0f}%" for k, v in reasons.most_common(4))
         marks = " ".join(f"{k}:{kinds[k]}" for k in MARKERS if kinds[k])
         print(f"{r[0]['offset']:6x} {share:6.1f}% {executed / 1e6:8.2f}M  {top}  | {marks}")

@@ -41,6 +41,9 @@ def main():
     h = torch.empty(M, H, device="cuda", dtype=dt)
     z = torch.empty(M, rows, device="cuda", dtype=dt)  # x @ W.T + b alone: the main loop and one store
     dh, grad = (torch.empty(M, rows, device="cuda", dtype=dt) for _ in range(2))
+    if not pingpong.usable(x, (w, h, dh, g, w2), split=H if gated else None):
+        raise SystemExit("the ping-pong kernel cannot run here (needs a Hopper GPU, Gluon, FUSED_OPS_PINGPONG=1 "
+                         "and 16-byte aligned rows)")
     eager_act = GATED_ACTIVATIONS[act] if gated else PLAIN_ACTIVATIONS[act]
     act_args = (lambda z: z.chunk(2, dim=-1)) if gated else (lambda z: (z, ))
 
