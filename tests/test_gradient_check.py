@@ -16,11 +16,28 @@ from numerics import assert_no_worse_than_eager, rel_err
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def loss_and_grads(model, idx, targets):
+def loss_and_grads(model, idx, targets, autocast_dtype=None):
+    """The loss and every parameter's gradient; with autocast_dtype the forward runs under autocast, the
+    backward outside it, as train.py does."""
     model.zero_grad(set_to_none=True)
-    _, loss = model(idx, targets)
+    with torch.autocast(DEVICE, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        _, loss = model(idx, targets)
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def tiny_models(activation, fuse_ln):
+    """(eager GPT, fused GPT with the same weights, a float64 copy of the eager one, a batch, its targets)."""
+    torch.manual_seed(0)
+    cfg = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True,
+               activation=activation)
+    eager = GPT(GPTConfig(mlp="eager", **cfg)).to(DEVICE)
+    fused = GPT(GPTConfig(mlp="fused", fuse_ln=fuse_ln, **cfg)).to(DEVICE)
+    fused.load_state_dict(eager.state_dict())  # same names and shapes: a checkpoint moves across
+    reference = copy.deepcopy(eager).double()
+    idx = torch.randint(0, 50, (3, 16), device=DEVICE)
+    targets = torch.randint(0, 50, (3, 16), device=DEVICE)
+    return eager, fused, reference, idx, targets
 
 
 @pytest.mark.parametrize("fuse_ln", [False, True], ids=["mlp", "ln+mlp"])
@@ -45,16 +62,7 @@ def test_fused_model_matches_eager_tma_main_loop(activation, monkeypatch):
 
 
 def check_fused_model_matches_eager(activation, fuse_ln):
-    torch.manual_seed(0)
-    cfg = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True,
-               activation=activation)
-    eager = GPT(GPTConfig(mlp="eager", **cfg)).to(DEVICE)
-    fused = GPT(GPTConfig(mlp="fused", fuse_ln=fuse_ln, **cfg)).to(DEVICE)
-    fused.load_state_dict(eager.state_dict())  # same names and shapes: a checkpoint moves across
-    reference = copy.deepcopy(eager).double()
-    idx = torch.randint(0, 50, (3, 16), device=DEVICE)
-    targets = torch.randint(0, 50, (3, 16), device=DEVICE)
-
+    eager, fused, reference, idx, targets = tiny_models(activation, fuse_ln)
     loss_f, grads_f = loss_and_grads(fused, idx, targets)
     loss_e, grads_e = loss_and_grads(eager, idx, targets)
     loss_r, grads_r = loss_and_grads(reference, idx, targets)
@@ -74,22 +82,10 @@ def test_fused_model_matches_eager_under_fp16_autocast(activation, fuse_ln):
     """fp32 weights under fp16 autocast, as in mixed-precision training: the fused MLP casts what it is given
     as nn.Linear would, and the folded LayerNorm keeps its parameters and its W β in fp32.
     (bf16 autocast is tested on the GPU: bf16 dot is wrong in the interpreter.)"""
-    torch.manual_seed(0)
-    cfg = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True,
-               activation=activation)
-    eager = GPT(GPTConfig(mlp="eager", **cfg)).to(DEVICE)
-    fused = GPT(GPTConfig(mlp="fused", fuse_ln=fuse_ln, **cfg)).to(DEVICE)
-    fused.load_state_dict(eager.state_dict())
-    reference = copy.deepcopy(eager).double()
-    idx = torch.randint(0, 50, (3, 16), device=DEVICE)
-    targets = torch.randint(0, 50, (3, 16), device=DEVICE)
-    results = {}
-    for name, model, autocast in (("fused", fused, True), ("eager", eager, True), ("ref", reference, False)):
-        with torch.autocast(DEVICE, dtype=torch.float16, enabled=autocast):  # the forward, as train.py does
-            _, loss = model(idx, targets)
-        loss.backward()
-        results[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-    (loss_f, grads_f), (loss_e, grads_e), (loss_r, grads_r) = results["fused"], results["eager"], results["ref"]
+    eager, fused, reference, idx, targets = tiny_models(activation, fuse_ln)
+    loss_f, grads_f = loss_and_grads(fused, idx, targets, torch.float16)
+    loss_e, grads_e = loss_and_grads(eager, idx, targets, torch.float16)
+    loss_r, grads_r = loss_and_grads(reference, idx, targets)
     assert torch.isfinite(loss_f) and loss_f.dtype == loss_e.dtype
     assert_no_worse_than_eager(loss_f, loss_e, loss_r, "loss", compute_dtype=torch.float16)
     for name in grads_e:
