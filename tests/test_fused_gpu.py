@@ -137,3 +137,36 @@ def test_float64_on_cuda_is_rejected_clearly():
     with pytest.raises(TypeError, match="float64 runs only under the CPU interpreter"):
         fused_mlp(x, torch.randn(32, 8, device="cuda", dtype=torch.float64), None,
                   torch.randn(8, 32, device="cuda", dtype=torch.float64), None, "gelu")
+
+
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_fused_mlp_memory_peak_not_above_eager(act):
+    """Issue 4's memory target at the MLP's level: forward + backward of the fused MLP peaks at or below the
+    eager MLP (bf16, GPT-2-like shapes); its backward frees h and dh/dz at their last use."""
+    gated = act in GATED_ACTIVATIONS
+    M, C, H = 8192, 768, 2048 if gated else 3072
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+              for s in (((2 if gated else 1) * H, C), ((2 if gated else 1) * H,), (C, H), (C,))]
+    x = torch.randn(M, C, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grad_y = torch.randn(M, C, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def eager(x, w_fc, b_fc, w_proj, b_proj):
+        z = torch.nn.functional.linear(x, w_fc, b_fc)
+        h = GATED_ACTIVATIONS[act](*z.chunk(2, dim=-1)) if gated else torch.nn.functional.gelu(z)
+        return torch.nn.functional.linear(h, w_proj, b_proj)
+
+    def peak(fn):
+        leaves = [t.clone().requires_grad_() for t in [x] + params]
+        fn(*leaves).backward(grad_y)  # warm-up: tuning and workspaces outside the measured pass
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(*leaves).backward(grad_y)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    fused, eager_peak = peak(lambda *t: fused_mlp(*t, act)), peak(eager)
+    assert fused <= eager_peak, f"fused MLP peaks {(fused - eager_peak) / 2**20:.1f} MiB above eager"

@@ -4,8 +4,11 @@ Runs on CUDA when there is a GPU, else on CPU through Triton's interpreter (smal
 since bf16 tl.dot is wrong in the interpreter: bf16 is covered by test_fused_gpu.py).
 """
 
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_ops
 from fused_ops import linear_act_dgrad, linear_act_forward
@@ -169,6 +172,44 @@ def test_gradcheck_float64(act):
     assert torch.autograd.gradcheck(lambda *t: FusedMLPFunction.apply(*t, act), tensors, eps=1e-6, atol=1e-7)
     x, w, b = tensors[:3]
     assert torch.autograd.gradcheck(lambda *t: LinearActFunction.apply(*t, act), (x, w, b), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_backward_lets_h_and_dh_dz_go_at_their_last_use(retain):
+    """The fused MLP's backward frees h once dW2 is made and dh/dz once grad_z is, before the first linear's
+    matmuls (so its memory peak is not above eager's); under retain_graph it keeps them, and a second
+    backward gives the same gradients."""
+    x, w_fc, b_fc, w_proj, b_proj = [t.requires_grad_() for t in _mlp_tensors(torch.float32, "gelu")]
+    hidden = []  # weak references to the saved (M, H) tensors: h and dh/dz
+
+    def pack(t):
+        if t.shape == (x.shape[0], w_proj.shape[1]):
+            hidden.append(weakref.ref(t))
+        return t
+
+    alive = []  # how many of them are alive at each matmul of backward
+
+    class CountAtMatmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                alive.append(sum(r() is not None for r in hidden))
+            return func(*args, **(kwargs or {}))
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fused_mlp(x, w_fc, b_fc, w_proj, b_proj, "gelu")
+    assert len(hidden) == 2
+    grad_y = make(y.shape, torch.float32)
+    with CountAtMatmuls():
+        y.backward(grad_y, retain_graph=retain)
+    # dW2 = grad_y.T @ h, then (after the dgrad kernel) grad_x = grad_z @ W1 and dW1 = grad_z.T @ x
+    assert alive == ([2, 2, 2] if retain else [2, 0, 0])
+    if retain:
+        first = [t.grad.clone() for t in (x, w_fc, b_fc, w_proj, b_proj)]
+        for t in (x, w_fc, b_fc, w_proj, b_proj):
+            t.grad = None
+        y.backward(grad_y)
+        for a, b in zip(first, (x.grad, w_fc.grad, b_fc.grad, w_proj.grad, b_proj.grad)):
+            assert torch.equal(a, b)
 
 
 def test_linear_act_layer_matches_eager():

@@ -65,6 +65,8 @@ def main():
     rows_ = {
         "cuBLAS x @ W.T + b": lambda: torch.nn.functional.linear(x, w, b),
         "eager linear, activation": lambda: eager_act(*act_args(torch.nn.functional.linear(x, w, b))),
+        # cuBLASLt's own fused epilogue (GELU, tanh form, nothing saved): the vendor's price of an epilogue
+        **({} if gated else {"cuBLASLt linear+GELU epilogue": lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)}),
         "Triton linear+act (+dh/dz)": triton_kernels(lambda: linear_act_forward(x, w, b, act, out=h, saved=dh)),
         "ping-pong linear+act (+dh/dz)": lambda: linear_act_forward(x, w, b, act, out=h, saved=dh),
         "ping-pong linear+act, no dh/dz": lambda: linear_act_forward(x, w, b, act, save=False, out=h),
