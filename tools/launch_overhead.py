@@ -1,6 +1,8 @@
 """Where does the CPU time of a fused call go? Host time per call (no synchronization inside the loop,
-tiny shapes so the GPU never holds the CPU back) of each layer of the fused path, then a cProfile of
-the fused MLP's forward + backward.
+tiny shapes so the GPU never holds the CPU back) of each layer of the fused path, the fused backward's
+operations one at a time beside what eager runs instead, then a cProfile of the fused MLP's forward +
+backward. Last, at GPT-2 small's MLP size, do_bench's time per fwd+bwd beside the host's: where the two
+agree, the path is host-bound.
 
     python tools/launch_overhead.py
 """
@@ -17,8 +19,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import triton
 import triton.language as tl
+from triton.testing import do_bench
 
 from fused_ops import FusedMLP, linear_act_dgrad, linear_act_forward
+from fused_ops import mlp as fused_mlp_module
 from fused_ops import pingpong, tuning
 from fused_ops.matmul import TensorDescriptor
 from fused_ops.ops import dgrad_op, linear_act_op
@@ -52,6 +56,35 @@ def host_us(fn, n=50, repeats=9):
     return statistics.median(rounds)
 
 
+class PythonIdentity(torch.autograd.Function):
+    """The fixed cost of an autograd Function written in Python (the fused MLP's is one)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def time_inside_backward(step):
+    """Host time per call spent inside FusedMLPFunction.backward's own body, while `step` runs."""
+    backward, spent = fused_mlp_module.FusedMLPFunction.backward, []
+
+    def timed(ctx, grad):
+        t0 = time.perf_counter()
+        out = backward(ctx, grad)
+        spent.append(time.perf_counter() - t0)
+        return out
+    fused_mlp_module.FusedMLPFunction.backward = staticmethod(timed)
+    try:
+        host_us(step)
+    finally:
+        fused_mlp_module.FusedMLPFunction.backward = staticmethod(backward)
+    return statistics.median(spent) * 1e6
+
+
 def autocast_step(mlp, x, dy):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = mlp(x)
@@ -73,6 +106,7 @@ def main():
     dy = torch.randn(M, C, device="cuda", dtype=dt)
     w2 = fused.c_proj.weight.detach()
     saved = linear_act_forward(x, w, b, "gelu")[1]
+    h = torch.randn(M, w.shape[0], device="cuda", dtype=dt)  # an (M, H) stand-in for h and grad_z
     w_gate_up = torch.randn(2 * w.shape[0], C, device="cuda", dtype=dt) * C ** -0.5
     saved_gate_up = linear_act_forward(x, w_gate_up, None, "swiglu")[1]
     rows = [
@@ -88,13 +122,26 @@ def main():
         ("swiglu linear_act through the custom op", lambda: linear_act_op.op(x, w_gate_up, None, "swiglu", True)),
         ("swiglu dgrad through the custom op", lambda: dgrad_op.op(dy, w2, saved_gate_up, "swiglu", False)),
         ("FusedMLP fwd (no grad)", lambda: fused(x)),
+        ("FusedMLP fwd (grad on)", lambda: fused(xg)),
+        ("eager MLP fwd (grad on)", lambda: eager(xg)),
         ("FusedMLP fwd+bwd", lambda: fused(xg).backward(dy)),
         ("eager MLP fwd+bwd", lambda: eager(xg).backward(dy)),
+        ("Python autograd.Function (identity) fwd+bwd", lambda: PythonIdentity.apply(xg).backward(dy)),
+        ("aten view fwd+bwd", lambda: xg.view_as(xg).backward(dy)),
+        # what FusedMLPFunction runs, one operation at a time (eager's backward runs its own in C++)
+        ("  fwd: addmm (second linear)", lambda: torch.addmm(fused.c_proj.bias.detach(), h, w2.t())),
+        ("  bwd: mm grad_y.T @ h (dW2)", lambda: dy.t() @ h),
+        ("  bwd: sum grad_y (db2)", lambda: dy.sum(0)),
+        ("  bwd: dgrad op with bias gradient", lambda: dgrad_op(dy, w2, saved, "gelu", True)),
+        ("  bwd: mm grad_z @ W1 (dx)", lambda: h @ w),
+        ("  bwd: mm grad_z.T @ x (dW1)", lambda: h.t() @ x),
+        ("  eager's fwd: F.gelu", lambda: torch.nn.functional.gelu(h)),
         # as in training: fp32 weights under bf16 autocast (each call casts them)
         ("FusedMLP fwd+bwd, fp32 weights, autocast", lambda: autocast_step(fused32, xg, dy)),
         ("eager MLP fwd+bwd, fp32 weights, autocast", lambda: autocast_step(eager32, xg, dy)),
     ]
     results = [(name, host_us(fn)) for name, fn in rows]
+    results.append(("FusedMLP fwd+bwd: inside FusedMLPFunction.backward", time_inside_backward(lambda: fused(xg).backward(dy))))
     # What of the fused MLP's host time is the ping-pong launches (Triton's launcher, descriptors included):
     # the same fwd+bwd with them replaced by a no-op (outputs left unwritten).
     run = pingpong._run
@@ -119,10 +166,21 @@ def main():
     pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     pstats.Stats(prof).sort_stats("cumtime").print_stats(40)
 
+    # GPT-2 small's MLP (M = 12288): do_bench's median per fwd+bwd against the host's time per call
+    big = []
+    xb = torch.randn(12288, C, device="cuda", dtype=dt, requires_grad=True)
+    dyb = torch.randn(12288, C, device="cuda", dtype=dt)
+    for name, mlp in (("eager", eager), ("fused", fused)):
+        step = lambda: mlp(xb).backward(dyb)  # noqa: E731
+        big.append((name, 1000 * do_bench(step, return_mode="median"), host_us(step, n=5)))
+
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    print(f"{'host time per call':45s} {'us':>8s}")
+    print(f"{'host time per call, M = 256':52s} {'us':>8s}")
     for name, us in results:
-        print(f"{name:45s} {us:8.1f}")
+        print(f"{name:52s} {us:8.1f}")
+    print(f"{'MLP fwd+bwd at M = 12288, C = 768':35s} {'do_bench us':>12s} {'host us':>9s}")
+    for name, bench_us, host in big:
+        print(f"{name:35s} {bench_us:12.1f} {host:9.1f}")
 
 
 if __name__ == "__main__":
