@@ -62,6 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--mlp_widths", default=None, help="time the MLP alone at these widths C, e.g. 768,1024,2048,4096")
     ap.add_argument("--mlp_tokens", default=None, help="tokens M per width (default: bench_mlp.DEFAULT_TOKENS)")
     ap.add_argument("--mlp_activations", default="gelu,swiglu")
+    ap.add_argument("--backward_thread", choices=("caller", "engine"), default="caller",
+                    help="run backward on the calling thread, as train.py does on one GPU, or on the autograd "
+                         "engine's device thread (PyTorch's default)")
     args = ap.parse_args(argv)
     if not args.config and not args.mlp_widths:
         ap.error("give a config file, or --mlp_widths")
@@ -160,6 +163,11 @@ def make_batches(model_args, batch_size, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    with torch.autograd.set_multithreading_enabled(args.backward_thread == "engine"):
+        return run(args)
+
+
+def run(args):
     if args.mlp_widths:
         return mlp_widths(args)
     model_args, batch_size = load_config(args)
@@ -177,7 +185,8 @@ def main(argv=None):
     out = args.out or os.path.join("results", f"bench_{name}")
     env = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype),
-           "model": model_args, "batch_size": batch_size, "grad_accum": args.grad_accum, "steps": args.steps}
+           "model": model_args, "batch_size": batch_size, "grad_accum": args.grad_accum, "steps": args.steps,
+           "backward_thread": args.backward_thread}
     write(rows, env, out)
     plot(rows, out + ".png", f"{name} on {env['device']}")
 

@@ -76,6 +76,7 @@ DEFAULTS = dict(
 )
 KEY_TYPES = {"vocab_size": (int, type(None)), "compile": (bool, str)}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that add CUDA graphs
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "mlp", "activation", "fuse_ln")
 ARCH_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "activation")  # fixed by a checkpoint
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,10 +148,16 @@ class Batches:
         return x.to(self.device), y.to(self.device)
 
 
+def compile_setting(compile, world):
+    """What to compile with: CUDA graphs were only tried on one GPU, so under DDP a mode that adds them
+    becomes plain torch.compile."""
+    return True if world > 1 and compile in CUDA_GRAPH_MODES else compile
+
+
 def new_step(cfg):
     """Under CUDA graphs (compile modes with them) a new run of the model may overwrite the last one's
     outputs: say so before each forward. The losses read from a run are used before the next one starts."""
-    if cfg["compile"] in ("reduce-overhead", "max-autotune"):
+    if cfg["compile"] in CUDA_GRAPH_MODES:
         torch.compiler.cudagraph_mark_step_begin()
 
 
@@ -281,8 +288,13 @@ def main(argv=None):
         if device_type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    # One process driving one GPU runs backward on its own thread. By default the autograd engine hands a CUDA
+    # backward to a thread of its own and waits for it: that buys nothing here, and on the H100 hosts measured
+    # the handoff cost more host time than the work (tools/launch_overhead.py, bench.py --backward_thread;
+    # results/README.md, twelfth round). Not tried under DDP, which keeps PyTorch's default.
     try:
-        return train(cfg, ckpt, ckpt_path, device, rank, world)
+        with torch.autograd.set_multithreading_enabled(ddp or device_type != "cuda"):
+            return train(cfg, ckpt, ckpt_path, device, rank, world)
     finally:
         if ddp:
             dist.destroy_process_group()
@@ -341,6 +353,11 @@ def train(cfg, ckpt, ckpt_path, device, rank, world):
         del ckpt  # free the memory it holds
     resumed_at = iter_num if last_saved is not None else None
 
+    compile_as = compile_setting(cfg["compile"], world)
+    if compile_as != cfg["compile"]:
+        if master:
+            print(f"note: compile={cfg['compile']!r} adds CUDA graphs, not tried with DDP here: using plain torch.compile")
+        cfg["compile"] = compile_as
     compile_mode = None if cfg["compile"] in (True, "default") else cfg["compile"]
     model = torch.compile(raw_model, mode=compile_mode) if cfg["compile"] else raw_model
     eval_model = model  # evaluated without the DDP wrapper: no gradient sync needed

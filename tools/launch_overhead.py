@@ -68,6 +68,14 @@ class PythonIdentity(torch.autograd.Function):
         return grad
 
 
+def on_calling_thread(step):
+    """step with backward run on the calling thread (autograd multithreading off), as train.py does on one GPU."""
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+    return run
+
+
 def time_inside_backward(step):
     """Host time per call spent inside FusedMLPFunction.backward's own body, while `step` runs."""
     backward, spent = fused_mlp_module.FusedMLPFunction.backward, []
@@ -126,6 +134,8 @@ def main():
         ("eager MLP fwd (grad on)", lambda: eager(xg)),
         ("FusedMLP fwd+bwd", lambda: fused(xg).backward(dy)),
         ("eager MLP fwd+bwd", lambda: eager(xg).backward(dy)),
+        ("FusedMLP fwd+bwd, backward on the calling thread", on_calling_thread(lambda: fused(xg).backward(dy))),
+        ("eager MLP fwd+bwd, backward on the calling thread", on_calling_thread(lambda: eager(xg).backward(dy))),
         ("Python autograd.Function (identity) fwd+bwd", lambda: PythonIdentity.apply(xg).backward(dy)),
         ("aten view fwd+bwd", lambda: xg.view_as(xg).backward(dy)),
         # what FusedMLPFunction runs, one operation at a time (eager's backward runs its own in C++)
@@ -172,15 +182,16 @@ def main():
     dyb = torch.randn(12288, C, device="cuda", dtype=dt)
     for name, mlp in (("eager", eager), ("fused", fused)):
         step = lambda: mlp(xb).backward(dyb)  # noqa: E731
-        big.append((name, 1000 * do_bench(step, return_mode="median"), host_us(step, n=5)))
+        for where, fn in (("", step), (", backward on the calling thread", on_calling_thread(step))):
+            big.append((name + where, 1000 * do_bench(fn, return_mode="median"), host_us(fn, n=5)))
 
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"{'host time per call, M = 256':52s} {'us':>8s}")
     for name, us in results:
         print(f"{name:52s} {us:8.1f}")
-    print(f"{'MLP fwd+bwd at M = 12288, C = 768':35s} {'do_bench us':>12s} {'host us':>9s}")
+    print(f"{'MLP fwd+bwd at M = 12288, C = 768':52s} {'do_bench us':>12s} {'host us':>9s}")
     for name, bench_us, host in big:
-        print(f"{name:35s} {bench_us:12.1f} {host:9.1f}")
+        print(f"{name:52s} {bench_us:12.1f} {host:9.1f}")
 
 
 if __name__ == "__main__":
