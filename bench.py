@@ -188,7 +188,7 @@ def run(args):
            "model": model_args, "batch_size": batch_size, "grad_accum": args.grad_accum, "steps": args.steps,
            "backward_thread": args.backward_thread}
     write(rows, env, out)
-    plot(rows, out + ".png", f"{name} on {env['device']}")
+    plot(rows, out + ".png", f"{name} on {env['device']}, backward on the {args.backward_thread} thread")
 
     base = next((r for r in rows if r["mlp"] == "eager" and not r["compile"]), rows[0])
     print(f"\n{env['device']}  torch {env['torch']}  {env['dtype']}  batch {batch_size}x{T} x{args.grad_accum}")
@@ -210,8 +210,8 @@ def plot(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    labels = [label(r).replace(" ", "\n") for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 3.5))
+    labels = [label(r).replace(" ", "\n").replace("reduce-overhead", "reduce-\noverhead") for r in rows]
     ax.bar(labels, [r["tokens_per_s"] for r in rows], color=["#888" if r["mlp"] == "eager" else "#d62" for r in rows])
     ax.set_ylabel("tokens / s")
     ax.set_title(title, fontsize=9)
