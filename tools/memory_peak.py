@@ -90,7 +90,10 @@ def main(argv=None):
     ap.add_argument("--variants", default="eager,fused,eager+compile,fused+compile")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25, help="origins shown in the table")
+    ap.add_argument("--backward_thread", choices=("caller", "engine"), default="caller",
+                    help="as bench.py: backward on the calling thread (as train.py on one GPU) or the engine's")
     args = ap.parse_args(argv)
+    torch.autograd.set_multithreading_enabled(args.backward_thread == "engine")
     args.device, args.dtype, args.batch_size, args.block_size, args.vocab_size, args.grad_accum = \
         "cuda", None, None, None, None, 1
     model_args, batch_size = bench.load_config(args)
@@ -102,7 +105,7 @@ def main(argv=None):
     results = {v: measure(model_args, state, v, batches, args, dtype) for v in variants}
 
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {dtype}  {args.config}  "
-          f"batch {batch_size}x{model_args.get('block_size', 1024)}")
+          f"batch {batch_size}x{model_args.get('block_size', 1024)}  backward on the {args.backward_thread} thread")
     print("step peak above the step's start (MiB): "
           + ", ".join(f"{v} {results[v][0] / MIB:.1f}" for v in variants))
     for v in variants:  # the allocation that set the peak: where in the step it is
