@@ -148,7 +148,7 @@ class Batches:
         return x.to(self.device), y.to(self.device)
 
 
-def compile_setting(compile, world):
+def effective_compile(compile, world):
     """What to compile with: CUDA graphs were only tried on one GPU, so under DDP a mode that adds them
     becomes plain torch.compile."""
     return True if world > 1 and compile in CUDA_GRAPH_MODES else compile
@@ -353,7 +353,7 @@ def train(cfg, ckpt, ckpt_path, device, rank, world):
         del ckpt  # free the memory it holds
     resumed_at = iter_num if last_saved is not None else None
 
-    compile_as = compile_setting(cfg["compile"], world)
+    compile_as = effective_compile(cfg["compile"], world)
     if compile_as != cfg["compile"]:
         if master:
             print(f"note: compile={cfg['compile']!r} adds CUDA graphs, not tried with DDP here: using plain torch.compile")

@@ -145,7 +145,7 @@ def test_ddp_compiles_without_cuda_graphs():
     """CUDA graphs were only tried on one GPU: under DDP (world > 1) the modes that add them become plain
     torch.compile; everything else is kept as asked."""
     for mode in ("reduce-overhead", "max-autotune"):
-        assert train.compile_setting(mode, 1) == mode
-        assert train.compile_setting(mode, 2) is True
+        assert train.effective_compile(mode, 1) == mode
+        assert train.effective_compile(mode, 2) is True
     for setting in (False, True, "default", "max-autotune-no-cudagraphs"):
-        assert train.compile_setting(setting, 4) == setting
+        assert train.effective_compile(setting, 4) == setting
