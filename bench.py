@@ -62,9 +62,7 @@ def parse_args(argv=None):
     ap.add_argument("--mlp_widths", default=None, help="time the MLP alone at these widths C, e.g. 768,1024,2048,4096")
     ap.add_argument("--mlp_tokens", default=None, help="tokens M per width (default: bench_mlp.DEFAULT_TOKENS)")
     ap.add_argument("--mlp_activations", default="gelu,swiglu")
-    ap.add_argument("--backward_thread", choices=("caller", "engine"), default="caller",
-                    help="run backward on the calling thread, as train.py does on one GPU, or on the autograd "
-                         "engine's device thread (PyTorch's default)")
+    bench_mlp.add_backward_thread_arg(ap)
     args = ap.parse_args(argv)
     if not args.config and not args.mlp_widths:
         ap.error("give a config file, or --mlp_widths")
@@ -163,7 +161,7 @@ def make_batches(model_args, batch_size, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    with torch.autograd.set_multithreading_enabled(args.backward_thread == "engine"):
+    with bench_mlp.backward_thread(args):
         return run(args)
 
 

@@ -29,6 +29,19 @@ DTYPE = torch.bfloat16
 DEFAULT_TOKENS = {768: 12288, 1024: 16384, 2048: 8192, 4096: 8192}  # M per width C (others: 8192)
 
 
+def add_backward_thread_arg(ap):
+    """--backward_thread, shared by the scripts that time training work: where backward runs meanwhile."""
+    ap.add_argument("--backward_thread", choices=("caller", "engine"), default="caller",
+                    help="run backward on the calling thread, as train.py does on one GPU, or on the autograd "
+                         "engine's device thread (PyTorch's default)")
+
+
+def backward_thread(args):
+    """Autograd multithreading off for --backward_thread=caller, on for engine (also a context manager that
+    restores the previous setting on exit)."""
+    return torch.autograd.set_multithreading_enabled(args.backward_thread == "engine")
+
+
 def bench(fn, device="cuda", **kw):
     if device.startswith("cuda"):
         return do_bench(fn, warmup=50, rep=200, return_mode="median", **kw)
@@ -177,7 +190,9 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", default="", help="comma-separated M per width (default 12288 for 768, else 16384/8192)")
     ap.add_argument("--activations", default="gelu,swiglu")
     ap.add_argument("--out", default="results/mlp.json")
+    add_backward_thread_arg(ap)
     args = ap.parse_args()
+    backward_thread(args)
     widths = [int(c) for c in args.widths.split(",")]
     tokens = [int(m) for m in args.tokens.split(",")] if args.tokens else [DEFAULT_TOKENS.get(c, 8192) for c in widths]
 
@@ -191,6 +206,7 @@ if __name__ == "__main__":
             print(f"done C={C} {act}", flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d"), "matmul_tflops": PEAK_TFLOPS, "copy_gbps": BANDWIDTH,
+           "backward_thread": args.backward_thread,
            "first_call_seconds": compile_times,
            "tuned": [[name, str(key[:3]), cfg.kwargs, cfg.num_warps, cfg.num_stages, sec] for name, key, cfg, sec in TUNING_LOG]}
     with open(args.out, "w") as f:

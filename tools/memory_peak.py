@@ -90,10 +90,9 @@ def main(argv=None):
     ap.add_argument("--variants", default="eager,fused,eager+compile,fused+compile")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25, help="origins shown in the table")
-    ap.add_argument("--backward_thread", choices=("caller", "engine"), default="caller",
-                    help="as bench.py: backward on the calling thread (as train.py on one GPU) or the engine's")
+    bench.bench_mlp.add_backward_thread_arg(ap)
     args = ap.parse_args(argv)
-    torch.autograd.set_multithreading_enabled(args.backward_thread == "engine")
+    bench.bench_mlp.backward_thread(args)
     args.device, args.dtype, args.batch_size, args.block_size, args.vocab_size, args.grad_accum = \
         "cuda", None, None, None, None, 1
     model_args, batch_size = bench.load_config(args)
