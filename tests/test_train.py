@@ -230,3 +230,25 @@ def test_float16_saves_grad_scaler_state(dataset, tmp_path):
     assert ckpt["scaler"]["scale"] > 0 and ckpt["config"]["dtype"] == "float16"
     train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=5"])  # and resumes from it
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_runs_backward_on_the_calling_thread(dataset, tmp_path, monkeypatch):
+    """On one GPU, train.py runs backward on its own thread rather than the autograd engine's device thread
+    (see train.main), and leaves autograd's setting as it found it."""
+    import threading
+
+    from fused_ops import mlp as fused_mlp
+
+    threads, backward = [], fused_mlp.FusedMLPFunction.backward
+
+    def recording(ctx, grad):
+        threads.append(threading.get_ident())
+        return backward(ctx, grad)
+
+    monkeypatch.setattr(fused_mlp.FusedMLPFunction, "backward", staticmethod(recording))
+    run(dataset, str(tmp_path / "out"), "--max_iters=2", "--eval_interval=100", "--device=cuda", "--dtype=bfloat16",
+        "--mlp=fused")
+    assert threads and set(threads) == {threading.get_ident()}
+    assert torch._C._is_multithreading_enabled()
