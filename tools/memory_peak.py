@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 import bench
+import bench_mlp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2 ** 20
@@ -90,9 +91,9 @@ def main(argv=None):
     ap.add_argument("--variants", default="eager,fused,eager+compile,fused+compile")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25, help="origins shown in the table")
-    bench.bench_mlp.add_backward_thread_arg(ap)
+    bench_mlp.add_backward_thread_arg(ap)
     args = ap.parse_args(argv)
-    bench.bench_mlp.backward_thread(args)
+    bench_mlp.backward_thread(args)
     args.device, args.dtype, args.batch_size, args.block_size, args.vocab_size, args.grad_accum = \
         "cuda", None, None, None, None, 1
     model_args, batch_size = bench.load_config(args)
