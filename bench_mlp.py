@@ -12,6 +12,7 @@ bench.py --mlp_widths runs the same measurement (these functions) across widths,
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -114,9 +115,7 @@ def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=
     w1, b1, w2 = mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight
     x = torch.randn(M, C, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(M, C, device=device, dtype=dtype)
-    from fused_ops import FusedMLP
-
-    fused = FusedMLP(cfg).to(device, dtype)
+    fused = MLP(dataclasses.replace(cfg, mlp="fused")).to(device, dtype)
     fused.load_state_dict(mlp.state_dict())
     # A fresh compile per shape: every case shares MLP.forward, and after a few cases Dynamo would switch
     # to dynamic shapes, then past its recompile limit silently run eager.

@@ -119,9 +119,12 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The eager MLP: c_fc, activation, c_proj. For gated activations c_fc makes [gate | up] in one matmul.
+    """c_fc, activation, c_proj. For gated activations c_fc makes [gate | up] in one matmul.
 
-    It takes the block's LayerNorm as an argument and applies it first, so that a fused MLP can fold the
+    The one switch between the two paths is here: config.mlp = "eager" runs the PyTorch below, "fused" the
+    Triton kernels of fused_ops (same parameters, so checkpoints load either way), "auto" the kernels where
+    they can run (CUDA tensors, or the CPU interpreter) and the PyTorch elsewhere.
+    It takes the block's LayerNorm as an argument and applies it first, so that the fused path can fold the
     normalization into its first matmul (config.fuse_ln) while the parameters stay in Block.ln_2."""
 
     def __init__(self, config):
@@ -131,8 +134,14 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 2 * hidden if self.gated else hidden, bias=config.bias)
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.kind, self.fuse_ln = config.mlp, config.fuse_ln
+        if self.kind != "eager" and import_fused_ops(required=self.kind == "fused") is None:
+            self.kind = "eager"  # "auto" without Triton
 
     def forward(self, x, norm=None):
+        if self.kind == "fused" or (self.kind == "auto" and fused_ops.kernels_can_run(x)):
+            y = fused_ops.fused_mlp_layers(x, self.c_fc, self.c_proj, self.activation, norm, self.fuse_ln)
+            return self.dropout(y)
         h = self.c_fc(x if norm is None else norm(x))
         if self.gated:
             h = GATED_ACTIVATIONS[self.activation](*h.chunk(2, dim=-1))
@@ -141,18 +150,26 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(h))
 
 
+fused_ops = None  # the Triton kernels' package, imported by the first MLP that asks for it (it imports Triton)
+
+
+def import_fused_ops(required):
+    """Import fused_ops once. Without Triton: an ImportError if required (mlp="fused"), else None."""
+    global fused_ops
+    if fused_ops is None:
+        try:
+            import fused_ops as module
+        except ImportError as e:
+            if required:
+                raise ImportError(f"mlp='fused' needs Triton ({e}); install it or set mlp='eager' or 'auto'") from e
+            return None
+        fused_ops = module
+    return fused_ops
+
+
 def make_mlp(config):
-    """The one switch between the eager and the fused MLP. Both have the same parameters."""
-    if config.mlp == "eager":
-        return MLP(config)
-    try:
-        from fused_ops import FusedMLP
-    except ImportError as e:  # no Triton on this machine
-        if config.mlp == "auto":
-            return MLP(config)
-        raise ImportError(f"mlp='fused' needs Triton ({e}); install it or set mlp='eager' or 'auto'") from e
-    # "auto" falls back to the eager computation for tensors the kernels cannot take (e.g. on CPU).
-    return FusedMLP(config, fallback=config.mlp == "auto")
+    """The block's MLP; config.mlp picks its path (see MLP)."""
+    return MLP(config)
 
 
 class Block(nn.Module):

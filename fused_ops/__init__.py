@@ -1,12 +1,13 @@
 """Triton kernels for a fused MLP: linear+bias+activation forward, dgrad with the activation derivative
-fused, gated (GLU) variants, their autograd Functions and the FusedMLP layer."""
+fused, gated (GLU) variants, their autograd Functions and fused_mlp_layers (model.MLP's fused path)."""
 
 from .activations import GATED, PLAIN, kernel_activations
 from .dgrad import linear_act_dgrad
 from .linear_act import linear_act_forward
-from .mlp import FusedMLP, FusedMLPFunction, LinearActFunction, check_mlp_args, fused_mlp, kernels_can_run, linear_act
+from .mlp import (FusedMLPFunction, LinearActFunction, check_mlp_args, fused_mlp, fused_mlp_layers, kernels_can_run,
+                  linear_act)
 
 __all__ = [
-    "GATED", "PLAIN", "kernel_activations", "linear_act_dgrad", "linear_act_forward", "FusedMLP",
-    "FusedMLPFunction", "LinearActFunction", "check_mlp_args", "fused_mlp", "kernels_can_run", "linear_act",
+    "GATED", "PLAIN", "kernel_activations", "linear_act_dgrad", "linear_act_forward", "FusedMLPFunction",
+    "LinearActFunction", "check_mlp_args", "fused_mlp", "fused_mlp_layers", "kernels_can_run", "linear_act",
 ]

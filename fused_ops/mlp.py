@@ -1,4 +1,5 @@
-"""The fused MLP: autograd Functions over the kernels, and FusedMLP, a drop-in for model.MLP.
+"""The fused MLP: autograd Functions over the kernels, and fused_mlp_layers, what model.MLP calls on its
+fused path (this package does not import model.py: the model owns the switch and its layers).
 
 Forward:   h, s = linear_act(x, W1, b1)         (Triton: matmul + bias + activation; s = dh/dz, see linear_act.py)
            y = h @ W2.T + b2                     (cuBLAS, bias in its epilogue)
@@ -14,8 +15,6 @@ Backward:  grad_ln = grad_z @ W1                           (cuBLAS)
 """
 
 import torch
-
-from model import MLP
 
 from .activations import kernel_activations
 from .ops import dgrad_op, layernorm_backward_op, linear_act_op, ln_linear_act_op
@@ -51,8 +50,8 @@ def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln
             raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}: all tensors must share one dtype")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    if x.dim() < 2:
-        raise ValueError(f"x must have shape (..., C) with at least 2 dims, got {tuple(x.shape)}")
+    if x.dim() < 1:
+        raise ValueError(f"x must have shape (..., C) (at least 1 dim), got {tuple(x.shape)}")
     if w_fc.dim() != 2 or w_proj.dim() != 2:
         raise ValueError(f"w_fc and w_proj must be 2-D, got {tuple(w_fc.shape)} and {tuple(w_proj.shape)}")
     C, H = w_proj.shape
@@ -186,7 +185,7 @@ def linear_act(x, weight, bias, activation):
     """act(x @ weight.T + bias) through the Triton kernel; x of shape (..., K)."""
     x, weight, bias = _autocast(x, weight, bias)
     _, _, gated = kernel_activations(activation)
-    if x.dim() < 2 or weight.dim() != 2 or (gated and weight.shape[0] % 2):
+    if x.dim() < 1 or weight.dim() != 2 or (gated and weight.shape[0] % 2):
         raise ValueError(f"linear_act needs x of shape (..., K) and weight of shape (N, K) (an even N = 2*H of "
                          f"[gate; up] rows when gated); got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -195,26 +194,15 @@ def linear_act(x, weight, bias, activation):
     return LinearActFunction.apply(x, weight, bias, activation)
 
 
-class FusedMLP(MLP):
-    """model.MLP with the forward through the fused kernels: same parameters, same checkpoints.
+def fused_mlp_layers(x, c_fc, c_proj, activation, norm=None, fuse_ln=False):
+    """The MLP of two nn.Linear layers, c_proj(act(c_fc(x))), through the kernels (model.MLP's fused path).
 
-    fallback=True (mlp="auto") runs the eager forward for tensors the kernels cannot take (e.g. on CPU).
-    config.fuse_ln folds the LayerNorm passed as `norm` into the first matmul instead of running it first.
-    """
-
-    def __init__(self, config, fallback=False):
-        super().__init__(config)
-        self.fallback, self.fuse_ln = fallback, config.fuse_ln
-
-    def forward(self, x, norm=None):
-        if self.fallback and not kernels_can_run(x):
-            return super().forward(x, norm)
-        ln = {}
-        if norm is not None and self.fuse_ln:
-            if not isinstance(norm, torch.nn.LayerNorm) or tuple(norm.normalized_shape) != (x.shape[-1],):
-                raise ValueError(f"fuse_ln folds an nn.LayerNorm over the last dim ({x.shape[-1]}); got {norm}")
-            ln = dict(ln_weight=norm.weight, ln_bias=norm.bias, ln_eps=norm.eps)
-        elif norm is not None:
-            x = norm(x)
-        y = fused_mlp(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias, self.activation, **ln)
-        return self.dropout(y)
+    norm: the block's LayerNorm, applied to x first, or with fuse_ln folded into the first matmul."""
+    ln = {}
+    if norm is not None and fuse_ln:
+        if not isinstance(norm, torch.nn.LayerNorm) or tuple(norm.normalized_shape) != (x.shape[-1],):
+            raise ValueError(f"fuse_ln folds an nn.LayerNorm over the last dim ({x.shape[-1]}); got {norm}")
+        ln = dict(ln_weight=norm.weight, ln_bias=norm.bias, ln_eps=norm.eps)
+    elif norm is not None:
+        x = norm(x)
+    return fused_mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, activation, **ln)

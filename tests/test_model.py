@@ -1,12 +1,15 @@
 """The GPT model: shapes, initial loss, parameter layout across MLP paths, KV-cache generation, config errors."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import fused_ops
-from model import GPT, GPTConfig, gpu_peak_flops
+from model import GPT, MLP, GPTConfig, gpu_peak_flops
 
 TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 
@@ -30,7 +33,7 @@ def test_parameters_identical_across_mlp_paths(activation):
         model = GPT(GPTConfig(mlp=mlp, activation=activation, **TINY))
         shapes[mlp] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert shapes["eager"] == shapes["fused"] == shapes["auto"]
-    assert isinstance(GPT(GPTConfig(mlp="fused", **TINY)).transformer.h[0].mlp, fused_ops.FusedMLP)
+    assert GPT(GPTConfig(mlp="fused", **TINY)).transformer.h[0].mlp.kind == "fused"
 
 
 def test_gated_hidden_size_keeps_parameter_count_close():
@@ -108,3 +111,44 @@ def test_gpu_peak_table():
 def test_bad_sizes_name_the_key(key, value):
     with pytest.raises(ValueError, match=key):
         GPTConfig(**{key: value})
+
+
+@pytest.mark.parametrize("mlp,runs_kernels", [("eager", False), ("fused", True), ("auto", True)])
+def test_the_switch_picks_the_path(mlp, runs_kernels, monkeypatch):
+    """model.MLP is the one switch: mlp="fused" (and "auto" where the kernels can run: here through the
+    interpreter, or on CUDA) goes through the fused kernels' autograd Function, "eager" never does."""
+    calls = []
+    apply = fused_ops.FusedMLPFunction.apply
+    monkeypatch.setattr(fused_ops.FusedMLPFunction, "apply", lambda *a: (calls.append(1), apply(*a))[1])
+    model = GPT(GPTConfig(mlp=mlp, **TINY))
+    idx = torch.randint(0, 65, (2, 16))
+    model(idx, idx)[1].backward()
+    assert len(calls) == (TINY["n_layer"] if runs_kernels else 0)
+
+
+def test_fused_ops_does_not_import_model():
+    """Dependencies point one way: model.py imports fused_ops, never the reverse."""
+    code = "import sys, fused_ops; assert 'model' not in sys.modules, 'fused_ops imported model'"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_one_token_of_shape_c_works_fused_as_eager(activation):
+    """A 1-D input (C,) goes through the fused MLP as through nn.Linear: same output shape and values, and
+    the same gradients for the input and every parameter."""
+    torch.manual_seed(0)
+    cfg = dict(n_embd=32, n_head=2, activation=activation, bias=True)
+    eager, fused = MLP(GPTConfig(mlp="eager", **cfg)), MLP(GPTConfig(mlp="fused", **cfg))
+    fused.load_state_dict(eager.state_dict())
+    x = torch.randn(32)
+    outs = []
+    for m in (eager, fused):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        y.backward(torch.arange(32.0) / 32)
+        outs.append((y, xi.grad, *(p.grad for p in m.parameters())))
+    assert outs[1][0].shape == (32,) and outs[1][1].shape == (32,)
+    for e, f in zip(*outs):
+        torch.testing.assert_close(f, e, rtol=1e-4, atol=1e-5)
