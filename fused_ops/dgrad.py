@@ -90,7 +90,9 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
         return out, (torch.zeros(saved.shape[1], device=saved.device, dtype=sum_dtype) if bias_grad else None)
     if (pingpong.takes_dgrad(gated, K, bias_grad)
             and pingpong.usable(grad_y, (w2, saved, out), split=N if gated else None)):
-        return out, pingpong.dgrad(grad_y, w2, saved, out, gated, bias_grad)  # Hopper, 16-bit: see pingpong.py
+        ran, grad_bias = pingpong.dgrad(grad_y, w2, saved, out, gated, bias_grad)  # Hopper, 16-bit: see pingpong.py
+        if ran:  # (else that kernel failed: the Triton one below runs)
+            return out, grad_bias
     descriptors, b_kmajor = tma_operands(grad_y, w2)
     consts = dict(GATED=gated, BIAS_GRAD=bias_grad,
                   ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(grad_y, w2, saved, out),

@@ -151,9 +151,9 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
     stats = torch.empty((2, M), device=x.device, dtype=colsum.dtype) if ln is not None and save else None
     if M == 0:
         return out, (saved if save else None), stats
-    if ln is None and pingpong.usable(x, (weight, out, saved if save else None), (bias,), N if gated else None):
-        pingpong.linear_act_forward(x, weight, bias, act, up_act, gated, save, out, saved)  # Hopper, 16-bit
-        return out, (saved if save else None), stats
+    if (ln is None and pingpong.usable(x, (weight, out, saved if save else None), (bias,), N if gated else None)
+            and pingpong.linear_act_forward(x, weight, bias, act, up_act, gated, save, out, saved)):
+        return out, (saved if save else None), stats  # Hopper, 16-bit (False if that kernel failed: Triton's below)
     # The TMA loop reads x and W.T through descriptors, in either orientation of W at the same speed
     # (H100, results/profile_mlp_h100.txt). The LayerNorm fold shifts x's rows in registers, so it keeps
     # the pointer loop.

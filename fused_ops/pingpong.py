@@ -24,12 +24,14 @@ GELU forward saving dh/dz at 1.32x (the Triton kernel: 1.74x), the dgrad at 1.17
 gradient), the SwiGLU forward at 1.25x. Only for what TMA and wgmma take: 16-bit operands and outputs of one
 dtype, rows 16-byte aligned (gated: N a multiple of 8), a GPU of capability 9.x and Triton's Gluon (3.6 is
 what it was built with). The Triton kernels do everything else, and the gated dgrad where they are faster
-(takes_dgrad); FUSED_OPS_PINGPONG=0 turns this off.
+(takes_dgrad); FUSED_OPS_PINGPONG=0 turns this off. If this kernel fails to compile or launch (Gluon changes
+between Triton releases), they take over too, after one FallbackWarning.
 """
 
 import functools
 import os
 import types
+import warnings
 
 import torch
 
@@ -38,14 +40,18 @@ from .activations import activation, activation_grad, gelu_and_grad_16bit
 from .matmul import split_columns, tile_ids
 from .tuning import INTERPRET, _specialization, cdiv
 
-try:
+try:  # Gluon is experimental and changes between Triton releases: anything missing turns this kernel off
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
+    # versions async_load / async_store (and make the old names raise).
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     AVAILABLE = hasattr(gl, "warp_specialize") and not INTERPRET
-except ImportError:  # a Triton without Gluon: the Triton kernels do everything
+except (ImportError, AttributeError):  # a Triton without (this) Gluon: the Triton kernels do everything
     AVAILABLE = False
 
 ENABLED = os.environ.get("FUSED_OPS_PINGPONG", "1") == "1"
@@ -69,14 +75,11 @@ CONSUMER_REGS = (MAXNREG * 32 * WARPS - LOADER_REGS * 128) // (2 * 32 * CONSUMER
 
 
 if AVAILABLE:
-    # What the kernels read must be a constexpr. Triton 3.6 names the TMA copies async_copy_global_to_shared
-    # / async_copy_shared_to_global; later versions async_load / async_store (and make the old names raise).
+    # What the kernels read must be a constexpr.
     GROUP_M_ = gl.constexpr(GROUP_M)
     CONSUMER_WARPS_ = gl.constexpr(CONSUMER_WARPS)
     PARTITION_WARPS = gl.constexpr([CONSUMER_WARPS, 1])
     PARTITION_REGS = gl.constexpr([CONSUMER_REGS, LOADER_REGS])
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
     def _column_quarters(x):
@@ -405,30 +408,64 @@ def _run(args, consts, tiles, device):
         _compiled[key] = pingpong_kernel[grid](*args, **consts, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
 
 
+class FallbackWarning(RuntimeWarning):
+    """The ping-pong kernel failed to compile or launch; the Triton kernels run instead."""
+
+
+FAILURE = None  # the exception that turned the ping-pong kernel off for this process, if one did
+
+
+def _fails(error):
+    """Turn the kernel off for the rest of the process, with one warning: a Gluon that moved (its API is
+    experimental) or a GPU the kernel does not fit must cost speed, never a training run. (What the host
+    sees: compile and launch errors. A fault inside a running kernel is not recoverable this way.)"""
+    global FAILURE
+    FAILURE = error
+    warnings.warn(f"the Hopper ping-pong kernel failed ({type(error).__name__}: {error}); the Triton kernels run "
+                  f"instead for the rest of this process (FUSED_OPS_PINGPONG=0 skips it)", FallbackWarning,
+                  stacklevel=3)
+
+
 def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, out, saved):
     """out = act(x @ weight.T + bias) and, if save, saved = dh/dz (see linear_act.py), for 2-D x.
-    Gated: weight (2N, K) = [gate; up], bias (2N,), saved (M, 2N) = [dh/dgate | dh/dup]."""
+    Gated: weight (2N, K) = [gate; up], bias (2N,), saved (M, 2N) = [dh/dgate | dh/dup].
+    Returns False if the kernel failed, now or earlier in this process (see _fails): the caller then runs
+    the Triton kernel, which writes every output."""
+    if FAILURE is not None:
+        return False
     consts = dict(EPILOGUE="act", ACTIVATION=activation, UP_ACTIVATION=up_activation, GATED=gated,
                   HAS_BIAS=bias is not None, SAVE=save)
-    if gated:
-        N = out.shape[1]
-        _launch(x, weight[:N], out, saved[:, :N] if save else None, bias, None, True, b2=weight[N:],
-                aux2=saved[:, N:] if save else None, **consts)
-    else:
-        _launch(x, weight, out, saved if save else None, bias, None, True, **consts)
+    try:
+        if gated:
+            N = out.shape[1]
+            _launch(x, weight[:N], out, saved[:, :N] if save else None, bias, None, True, b2=weight[N:],
+                    aux2=saved[:, N:] if save else None, **consts)
+        else:
+            _launch(x, weight, out, saved if save else None, bias, None, True, **consts)
+    except Exception as e:  # compiling or launching: see _fails
+        _fails(e)
+        return False
+    return True
 
 
 def dgrad(grad_y, w2, saved, out, gated, bias_grad):
-    """out = (grad_y @ w2) * saved (see dgrad.py); returns the column sums of out (fp32) if bias_grad.
+    """out = (grad_y @ w2) * saved (see dgrad.py). Returns (True, the column sums of out in fp32 if
+    bias_grad else None), or (False, None) if the kernel failed (see linear_act_forward).
     Gated: saved and out are (M, 2N) = [gate | up] halves, each multiplied by the same grad_y @ w2."""
+    if FAILURE is not None:
+        return False, None
     M, N = grad_y.shape[0], w2.shape[1]
     partial = (torch.empty((cdiv(M, BLOCK_M), out.shape[1]), device=out.device, dtype=torch.float32)
                if bias_grad else None)
     consts = dict(EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=gated,
                   HAS_BIAS=bias_grad, SAVE=False)
-    if gated:
-        _launch(grad_y, w2, out[:, :N], saved[:, :N], None, partial, False, out2=out[:, N:], aux2=saved[:, N:],
-                **consts)
-    else:
-        _launch(grad_y, w2, out, saved, None, partial, False, **consts)
-    return partial.sum(0) if bias_grad else None
+    try:
+        if gated:
+            _launch(grad_y, w2, out[:, :N], saved[:, :N], None, partial, False, out2=out[:, N:], aux2=saved[:, N:],
+                    **consts)
+        else:
+            _launch(grad_y, w2, out, saved, None, partial, False, **consts)
+    except Exception as e:
+        _fails(e)
+        return False, None
+    return True, (partial.sum(0) if bias_grad else None)

@@ -12,11 +12,13 @@ from fused_ops import linear_act_dgrad, linear_act_forward, pingpong
 from model import GATED_ACTIVATIONS
 from numerics import check_dgrad, check_linear_act, poisoned
 
+# On a GPU the ping-pong kernel must run where it is chosen: its silent fallback would pass every check.
+pytestmark = pytest.mark.filterwarnings("error::fused_ops.pingpong.FallbackWarning")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 COMPILE_FOR_SM90 = """
-import sys, torch, triton
+import sys, torch, triton, warnings
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import mangle_type
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -35,6 +37,7 @@ def compile_for_sm90(args, consts, tiles, device):  # stands in for the launch
     print("shared", kernel.metadata.shared)
 
 pp._run = compile_for_sm90
+warnings.simplefilter("error", pp.FallbackWarning)  # a failure must fail this test, not fall back
 op, act, up_act, gated, bias = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1"
 M, K, N = 1000, 200, 520
 t = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)
@@ -140,7 +143,9 @@ def test_forward_and_dgrad(dtype, act, M, K, N, bias, launches):
                         + ([] if bias else ["mul"] * pingpong.takes_dgrad(gated, K, False)))
     if gated:  # the ping-pong dgrad itself, also where the Triton one is faster and takes over
         grad_z3 = poisoned((M, rows), dtype, "cuda")
-        check_dgrad(grad_z3, pingpong.dgrad(grad_y, w2, saved, grad_z3, True, True), grad_y, w2, saved, act)
+        ran, grad_b3 = pingpong.dgrad(grad_y, w2, saved, grad_z3, True, True)
+        assert ran
+        check_dgrad(grad_z3, grad_b3, grad_y, w2, saved, act)
 
 
 @pytest.mark.gpu
@@ -208,3 +213,93 @@ def test_what_tma_cannot_take_falls_back(launches):
     _, grad_b = linear_act_dgrad(grad_y, w2, saved, "swiglu", out=grad)
     check_dgrad(grad, grad_b, grad_y, w2, saved, "swiglu")
     assert launches == []
+
+
+def fused_mlp_fwd_bwd(act, device, dtype):
+    """(y, grad_x and every weight's gradient) of one fused MLP on fixed random data."""
+    from fused_ops import fused_mlp
+    gen = torch.Generator().manual_seed(0)
+    M, C, H = 70, 64, 96
+    rows = 2 * H if act in GATED_ACTIVATIONS else H
+    tensors = [(torch.randn(shape, generator=gen) * scale).to(device, dtype).requires_grad_()
+               for shape, scale in (((M, C), 1.0), ((rows, C), C ** -0.5), ((rows,), 1.0), ((C, H), H ** -0.5),
+                                    ((C,), 1.0))]
+    y = fused_mlp(*tensors, act)
+    y.backward(torch.randn(y.shape, generator=gen).to(device, dtype))
+    return [y.detach()] + [t.grad for t in tensors]
+
+
+def force_hopper_path(monkeypatch):
+    """Select the ping-pong kernel for every launch (as on an H100 with 16-bit tensors), and make it fail as a
+    Triton whose Gluon moved would. Returns the list of attempted launches."""
+    attempts = []
+
+    def broken(*args, **kwargs):
+        attempts.append(kwargs["EPILOGUE"])
+        raise RuntimeError("stand-in for a Gluon compile error")
+    monkeypatch.setattr(pingpong, "FAILURE", None)
+    monkeypatch.setattr(pingpong, "usable", lambda *args, **kwargs: True)
+    monkeypatch.setattr(pingpong, "_launch", broken)
+    return attempts
+
+
+@pytest.mark.filterwarnings("default::fused_ops.pingpong.FallbackWarning")
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_failed_pingpong_falls_back_with_one_warning(act, monkeypatch):
+    """If the ping-pong kernel fails to compile or launch, the fused MLP's forward and backward run the Triton
+    kernels instead and give exactly their result; one warning says so, once per process; the kernel is not
+    tried again. (On CPU through the interpreter, with the Hopper path forced; on a GPU for real tensors.)"""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    monkeypatch.setattr(pingpong, "ENABLED", False)
+    expected = fused_mlp_fwd_bwd(act, device, dtype)  # the Triton kernels alone
+    monkeypatch.setattr(pingpong, "ENABLED", True)
+    attempts = force_hopper_path(monkeypatch)
+    with pytest.warns(pingpong.FallbackWarning, match="stand-in for a Gluon compile error") as caught:
+        got = fused_mlp_fwd_bwd(act, device, dtype)
+        again = fused_mlp_fwd_bwd(act, device, dtype)
+    assert len([w for w in caught if issubclass(w.category, pingpong.FallbackWarning)]) == 1
+    assert attempts == ["act"] and isinstance(pingpong.FAILURE, RuntimeError)
+    for e, g, a in zip(expected, got, again):
+        assert torch.equal(g, e) and torch.equal(a, e)
+
+
+@pytest.mark.filterwarnings("default::fused_ops.pingpong.FallbackWarning")
+def test_failed_pingpong_dgrad_falls_back(monkeypatch):
+    """The same when the forward ran elsewhere and the first failure is the dgrad's."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    monkeypatch.setattr(pingpong, "ENABLED", False)
+    expected = fused_mlp_fwd_bwd("gelu", device, dtype)
+    monkeypatch.setattr(pingpong, "ENABLED", True)
+    attempts = force_hopper_path(monkeypatch)
+    monkeypatch.setattr(pingpong, "linear_act_forward", lambda *args: False)  # the forward: Triton's, no warning
+    with pytest.warns(pingpong.FallbackWarning) as caught:
+        got = fused_mlp_fwd_bwd("gelu", device, dtype)
+    assert len(caught) == 1 and attempts == ["mul"]
+    for e, g in zip(expected, got):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.filterwarnings("default::fused_ops.pingpong.FallbackWarning")
+def test_failed_pingpong_compile_falls_back_on_gpu(monkeypatch):
+    """On a Hopper GPU, a real failure of the kernel's compilation (a ring of 12 slots: more shared memory than
+    an H100 block has, as a Triton that lays out memory differently could ask) falls back the same way."""
+    monkeypatch.setattr(pingpong, "ENABLED", False)
+    expected = fused_mlp_fwd_bwd("gelu", "cuda", torch.bfloat16)
+    monkeypatch.setattr(pingpong, "ENABLED", True)
+    monkeypatch.setattr(pingpong, "FAILURE", None)
+    monkeypatch.setattr(pingpong, "_compiled", {})
+    real = pingpong._blocks_and_consts
+
+    def too_many_slots(*args, **kwargs):
+        blocks, tn, consts = real(*args, **kwargs)
+        return blocks, tn, {**consts, "STAGES": 12}
+    monkeypatch.setattr(pingpong, "_blocks_and_consts", too_many_slots)
+    with pytest.warns(pingpong.FallbackWarning) as caught:
+        got = fused_mlp_fwd_bwd("gelu", "cuda", torch.bfloat16)
+    assert len(caught) == 1 and pingpong.FAILURE is not None
+    for e, g in zip(expected, got):
+        assert torch.equal(g, e)
