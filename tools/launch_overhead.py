@@ -4,10 +4,16 @@ operations one at a time beside what eager runs instead, then a cProfile of the 
 backward. Last, at GPT-2 small's MLP size, do_bench's time per fwd+bwd beside the host's: where the two
 agree, the path is host-bound.
 
-    python tools/launch_overhead.py
+    python tools/launch_overhead.py                      # the decomposition above
+    python tools/launch_overhead.py --targets            # issue 20's host-time target: fused vs eager MLP
+                                                         # fwd+bwd at M = 256, both backward threads, 3 rounds
+    python tools/launch_overhead.py --compile_boundary   # the fused MLP's GPU time inside torch.compile vs
+                                                         # outside (CUDA-graph replay), and its kernels
 """
 
+import argparse
 import cProfile
+import dataclasses
 import os
 import pstats
 import statistics
@@ -21,12 +27,12 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from fused_ops import FusedMLP, linear_act_dgrad, linear_act_forward
+from fused_ops import linear_act_dgrad, linear_act_forward
 from fused_ops import mlp as fused_mlp_module
 from fused_ops import pingpong, tuning
 from fused_ops.matmul import TensorDescriptor
 from fused_ops.ops import dgrad_op, linear_act_op
-from model import MLP, GPTConfig
+from model import GPTConfig, make_mlp
 
 
 @triton.jit
@@ -104,9 +110,9 @@ def main():
     cfg = GPTConfig(n_embd=768, n_head=12, activation="gelu")
     M, C = 256, cfg.n_embd
     x = torch.randn(M, C, device="cuda", dtype=dt)
-    fused = FusedMLP(cfg).cuda().to(dt)
-    eager = MLP(cfg).cuda().to(dt)
-    fused32, eager32 = FusedMLP(cfg).cuda(), MLP(cfg).cuda()
+    fused = make_mlp(dataclasses.replace(cfg, mlp="fused")).cuda().to(dt)
+    eager = make_mlp(cfg).cuda().to(dt)
+    fused32, eager32 = make_mlp(dataclasses.replace(cfg, mlp="fused")).cuda(), make_mlp(cfg).cuda()
     w, b = fused.c_fc.weight.detach(), fused.c_fc.bias.detach()
     buf = torch.randn(1024, device="cuda")
     t2 = torch.randn(64, 64, device="cuda", dtype=dt)
@@ -129,12 +135,12 @@ def main():
         ("dgrad through the custom op", lambda: dgrad_op.op(dy, w2, saved, "gelu", True)),
         ("swiglu linear_act through the custom op", lambda: linear_act_op.op(x, w_gate_up, None, "swiglu", True)),
         ("swiglu dgrad through the custom op", lambda: dgrad_op.op(dy, w2, saved_gate_up, "swiglu", False)),
-        ("FusedMLP fwd (no grad)", lambda: fused(x)),
-        ("FusedMLP fwd (grad on)", lambda: fused(xg)),
+        ("fused MLP fwd (no grad)", lambda: fused(x)),
+        ("fused MLP fwd (grad on)", lambda: fused(xg)),
         ("eager MLP fwd (grad on)", lambda: eager(xg)),
-        ("FusedMLP fwd+bwd", lambda: fused(xg).backward(dy)),
+        ("fused MLP fwd+bwd", lambda: fused(xg).backward(dy)),
         ("eager MLP fwd+bwd", lambda: eager(xg).backward(dy)),
-        ("FusedMLP fwd+bwd, backward on the calling thread", on_calling_thread(lambda: fused(xg).backward(dy))),
+        ("fused MLP fwd+bwd, backward on the calling thread", on_calling_thread(lambda: fused(xg).backward(dy))),
         ("eager MLP fwd+bwd, backward on the calling thread", on_calling_thread(lambda: eager(xg).backward(dy))),
         ("Python autograd.Function (identity) fwd+bwd", lambda: PythonIdentity.apply(xg).backward(dy)),
         ("aten view fwd+bwd", lambda: xg.view_as(xg).backward(dy)),
@@ -147,17 +153,17 @@ def main():
         ("  bwd: mm grad_z.T @ x (dW1)", lambda: h.t() @ x),
         ("  eager's fwd: F.gelu", lambda: torch.nn.functional.gelu(h)),
         # as in training: fp32 weights under bf16 autocast (each call casts them)
-        ("FusedMLP fwd+bwd, fp32 weights, autocast", lambda: autocast_step(fused32, xg, dy)),
+        ("fused MLP fwd+bwd, fp32 weights, autocast", lambda: autocast_step(fused32, xg, dy)),
         ("eager MLP fwd+bwd, fp32 weights, autocast", lambda: autocast_step(eager32, xg, dy)),
     ]
     results = [(name, host_us(fn)) for name, fn in rows]
-    results.append(("FusedMLP fwd+bwd: inside FusedMLPFunction.backward", time_inside_backward(lambda: fused(xg).backward(dy))))
+    results.append(("fused MLP fwd+bwd: inside FusedMLPFunction.backward", time_inside_backward(lambda: fused(xg).backward(dy))))
     # What of the fused MLP's host time is the ping-pong launches (Triton's launcher, descriptors included):
     # the same fwd+bwd with them replaced by a no-op (outputs left unwritten).
     run = pingpong._run
     pingpong._run = lambda *args: None
     try:
-        results.append(("FusedMLP fwd+bwd, ping-pong launches skipped", host_us(lambda: fused(xg).backward(dy))))
+        results.append(("fused MLP fwd+bwd, ping-pong launches skipped", host_us(lambda: fused(xg).backward(dy))))
     finally:
         pingpong._run = run
     # The same calls with every kernel launched through Triton's JIT instead of the kept compiled kernel.
@@ -194,5 +200,103 @@ def main():
         print(f"{name:52s} {bench_us:12.1f} {host:9.1f}")
 
 
+def versions():
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, {os.cpu_count()} CPUs")
+
+
+def spread(values):
+    return f"{statistics.median(values):8.1f} [{min(values):7.1f}-{max(values):7.1f}]"
+
+
+def targets(rounds):
+    """Issue 20: host time of one MLP fwd+bwd at M = 256 (GPT-2 small's width), fused vs eager, backward on the
+    calling thread and on autograd's engine thread, with and without biases; the variants alternate order
+    each round."""
+    dt, M = torch.bfloat16, 256
+    rows = {}
+    for bias in (False, True):
+        cfg = GPTConfig(n_embd=768, n_head=12, activation="gelu", bias=bias)
+        mlps = {"eager": make_mlp(cfg).cuda().to(dt), "fused": make_mlp(dataclasses.replace(cfg, mlp="fused")).cuda().to(dt)}
+        x = torch.randn(M, 768, device="cuda", dtype=dt, requires_grad=True)
+        dy = torch.randn(M, 768, device="cuda", dtype=dt)
+        for r in range(rounds):
+            for name in (("eager", "fused") if r % 2 == 0 else ("fused", "eager")):
+                step = lambda m=mlps[name]: m(x).backward(dy)  # noqa: E731
+                for thread, fn in (("calling thread", on_calling_thread(step)), ("engine thread", step)):
+                    rows.setdefault((bias, thread, name), []).append(host_us(fn, n=100, repeats=11))
+    print(versions())
+    print(f"host us per MLP fwd+bwd, M = 256, C = 768, GELU, bf16: median of {rounds} rounds [min-max]; each round "
+          "a median of 11 x 100 calls")
+    for bias in (False, True):
+        for thread in ("calling thread", "engine thread"):
+            e, f = rows[bias, thread, "eager"], rows[bias, thread, "fused"]
+            print(f"bias={bias!s:5} {thread:15s} eager {spread(e)}  fused {spread(f)}  fused/eager "
+                  f"{statistics.median(f) / statistics.median(e):5.2f}  rounds: eager {[round(v) for v in e]} "
+                  f"fused {[round(v) for v in f]}")
+
+
+def compile_boundary(rounds):
+    """Issue 20: GPU time of the fused MLP's fwd+bwd (GPT-2 small, M = 12288, no bias, bf16) replayed as one CUDA
+    graph, uncompiled vs inside torch.compile, alternated; then the kernels of one replay of each (profiler),
+    so that what the compiled graph adds shows by name. Run with TORCH_LOGS=output_code to see its code."""
+    from bench_mlp import graphed_fwd_bwd
+
+    from fused_ops import pingpong
+    dt, M, C = torch.bfloat16, 12288, 768
+    print(versions())
+    for act in ("gelu", "swiglu"):
+        cfg = GPTConfig(n_embd=C, n_head=12, activation=act, bias=False, mlp="fused")
+        mlp = make_mlp(cfg).cuda().to(dt)
+        x = torch.randn(M, C, device="cuda", dtype=dt)
+        dy = torch.randn(M, C, device="cuda", dtype=dt)
+        replays, first, launched = {}, {}, {}
+        real_launch = pingpong._launch
+        for name, m in (("fused", mlp), ("fused in torch.compile", torch.compile(mlp))):
+            calls = []
+            pingpong._launch = lambda *a, **k: (calls.append(k["EPILOGUE"]), real_launch(*a, **k))[1]
+            t0 = time.perf_counter()
+            replays[name] = graphed_fwd_bwd(m, x, dy)[0]  # compiles, warms up, captures
+            torch.cuda.synchronize()
+            first[name], launched[name] = time.perf_counter() - t0, sorted(set(calls))
+            pingpong._launch = real_launch
+        times = {name: [] for name in replays}
+        for r in range(rounds):
+            for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
+                times[name].append(1000 * do_bench(replays[name], warmup=50, rep=300, return_mode="median"))
+        print(f"\n{act}: GPU us per fwd+bwd (CUDA-graph replay), median [min-max] of {rounds} alternated rounds")
+        for name, t in times.items():
+            print(f"  {name:24s} {spread(t)}  rounds {[round(v, 1) for v in t]}  first call {first[name]:.1f} s  "
+                  f"ping-pong epilogues launched {launched[name]}")
+        base = statistics.median(times["fused"])
+        print(f"  compiled / uncompiled: {statistics.median(times['fused in torch.compile']) / base:.3f}")
+        for name, replay in replays.items():  # the step the graph holds, run as is (same kernels)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    replay.step()
+                torch.cuda.synchronize()
+            kernels = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    n, us = kernels.get(ev.name, (0, 0.0))
+                    kernels[ev.name] = (n + 1, us + ev.time_range.elapsed_us())
+            print(f"  kernels of one {name} fwd+bwd (count, us):")
+            for kname, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+                print(f"    {n / 5:4.1f} {us / 5:8.1f}  {kname[:110]}")
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", action="store_true")
+    ap.add_argument("--compile_boundary", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    if args.targets:
+        targets(args.rounds)
+    elif args.compile_boundary:
+        compile_boundary(args.rounds)
+    else:
+        main()
