@@ -202,8 +202,9 @@ def main():
 
 def versions():
     import subprocess
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    commit = os.environ.get("COMMIT") or subprocess.run(  # COMMIT: for a copy of the tree without its .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
     return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, {os.cpu_count()} CPUs")
 
