@@ -156,6 +156,23 @@ def main():
         ("fused MLP fwd+bwd, fp32 weights, autocast", lambda: autocast_step(fused32, xg, dy)),
         ("eager MLP fwd+bwd, fp32 weights, autocast", lambda: autocast_step(eager32, xg, dy)),
     ]
+    # the ping-pong forward launch in its layers: usable() + linear_act_forward = our Python around the
+    # launch, _launch = descriptors looked up + _run, _run = the key lookup + Triton's launcher (which
+    # encodes each TMA descriptor it is passed)
+    out_pp, saved_pp = torch.empty(M, w.shape[0], device="cuda", dtype=dt), torch.empty_like(saved)
+    pp_consts = dict(EPILOGUE="act", ACTIVATION="gelu", UP_ACTIVATION="identity", GATED=False, HAS_BIAS=True, SAVE=True)
+    blocks, _, consts_pp = pingpong._blocks_and_consts(True, **pp_consts)
+    descs = [None if t is None else pingpong._descriptor(t, blk)
+             for t, blk in zip((x, w, None, out_pp, None, saved_pp, None), blocks)]
+    run_args = (*descs, b, None, M, w.shape[0], C)
+    tiles = tuning.cdiv(M, pingpong.BLOCK_M) * tuning.cdiv(w.shape[0], pingpong.BLOCK_N)
+    rows += [
+        ("  ping-pong fwd: pingpong.usable", lambda: pingpong.usable(x, (w, out_pp, saved_pp), (b,))),
+        ("  ping-pong fwd: pingpong.linear_act_forward", lambda: pingpong.linear_act_forward(
+            x, w, b, "gelu", "identity", False, True, out_pp, saved_pp)),
+        ("  ping-pong fwd: pingpong._launch", lambda: pingpong._launch(x, w, out_pp, saved_pp, b, None, True, **pp_consts)),
+        ("  ping-pong fwd: pingpong._run", lambda: pingpong._run(run_args, consts_pp, tiles, x.device)),
+    ]
     results = [(name, host_us(fn)) for name, fn in rows]
     results.append(("fused MLP fwd+bwd: inside FusedMLPFunction.backward", time_inside_backward(lambda: fused(xg).backward(dy))))
     # What of the fused MLP's host time is the ping-pong launches (Triton's launcher, descriptors included):
@@ -268,25 +285,35 @@ def compile_boundary(rounds):
         for r in range(rounds):
             for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
                 times[name].append(1000 * do_bench(replays[name], warmup=50, rep=300, return_mode="median"))
-        print(f"\n{act}: GPU us per fwd+bwd (CUDA-graph replay), median [min-max] of {rounds} alternated rounds")
+        # the same, one replay of each in turn (the order alternating), each timed by its own CUDA events:
+        # drifts of the GPU's clock over the run then hit both alike
+        events = {name: [] for name in replays}
+        for i in range(400):
+            for name in (list(replays) if i % 2 == 0 else list(replays)[::-1]):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                replays[name]()
+                end.record()
+                events[name].append((start, end))
+        torch.cuda.synchronize()
+        paired = {name: sorted(1000 * s.elapsed_time(e) for s, e in pairs[20:]) for name, pairs in events.items()}
+        print(f"\n{act}: GPU us per fwd+bwd (CUDA-graph replay), median [min-max] of {rounds} alternated do_bench rounds; "
+              "then 380 replays of each in turn, median [25th-75th percentile]")
         for name, t in times.items():
-            print(f"  {name:24s} {spread(t)}  rounds {[round(v, 1) for v in t]}  first call {first[name]:.1f} s  "
+            q = paired[name]
+            print(f"  {name:24s} {spread(t)}  rounds {[round(v, 1) for v in t]}  interleaved {q[len(q) // 2]:7.1f} "
+                  f"[{q[len(q) // 4]:.1f}-{q[3 * len(q) // 4]:.1f}]  first call {first[name]:.1f} s  "
                   f"ping-pong epilogues launched {launched[name]}")
-        base = statistics.median(times["fused"])
-        print(f"  compiled / uncompiled: {statistics.median(times['fused in torch.compile']) / base:.3f}")
+        base, comp = (paired[n][len(paired[n]) // 2] for n in replays)
+        print(f"  compiled / uncompiled: {statistics.median(times['fused in torch.compile']) / statistics.median(times['fused']):.3f} "
+              f"(do_bench rounds), {comp / base:.3f} (interleaved)")
         for name, replay in replays.items():  # the step the graph holds, run as is (same kernels)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     replay.step()
                 torch.cuda.synchronize()
-            kernels = {}
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    n, us = kernels.get(ev.name, (0, 0.0))
-                    kernels[ev.name] = (n + 1, us + ev.time_range.elapsed_us())
-            print(f"  kernels of one {name} fwd+bwd (count, us):")
-            for kname, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-                print(f"    {n / 5:4.1f} {us / 5:8.1f}  {kname[:110]}")
+            print(f"  kernels of 5 {name} fwd+bwd:")
+            print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=70))
 
 
 if __name__ == "__main__":
