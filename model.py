@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pickle
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -352,7 +353,9 @@ TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # GPT-2 stores its linear layers as Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-HUB_TIMEOUT = 10  # seconds to wait for the hub's answer, so that a machine without internet fails instead of hanging
+# Seconds for config.json (under 1 KB) to arrive: a slower hub means no usable network. The hub client's own
+# timeouts do not bound it (it retries; a server that accepts and never answers held it for minutes).
+HUB_TIMEOUT = 10
 FOLDER_HINT = "pass --init_from=<folder> with a local checkpoint (config.json + model.safetensors)"
 
 
@@ -406,12 +409,32 @@ def _hub_files(name):
         raise errors.UsageError(f"init_from={name!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
                                 f"HF_HUB_OFFLINE is set: {FOLDER_HINT}, or download it once online")
     try:
-        return (hf_hub_download(repo, "config.json", etag_timeout=HUB_TIMEOUT),
-                [hf_hub_download(repo, "model.safetensors", etag_timeout=HUB_TIMEOUT)])
+        config_file = _within(HUB_TIMEOUT, lambda: hf_hub_download(repo, "config.json", etag_timeout=HUB_TIMEOUT))
+        return config_file, [hf_hub_download(repo, "model.safetensors", etag_timeout=HUB_TIMEOUT)]
     except Exception as e:  # no network, hub down, proxy...: whatever it is, the way out is the same
         reason = (str(e).strip().splitlines() or [""])[0][:200]
         raise errors.UsageError(f"init_from={name!r} is not in the Hugging Face cache and downloading {repo} failed "
                                 f"({type(e).__name__}: {reason}): {FOLDER_HINT}") from e
+
+
+def _within(seconds, fn):
+    """fn() in a daemon thread, or TimeoutError if it has not returned after seconds (it is left behind)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = fn()
+        except Exception as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {seconds} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def read_gpt2_config(path):
@@ -445,13 +468,14 @@ def read_gpt2_config(path):
 
 
 def _read_tensors(path):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     try:
         if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
             return load_file(path)
         return torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         raise errors.RunError(f"{path}: cannot read its tensors ({type(e).__name__}: {e}); "
                               f"the file is damaged or incomplete: download or save it again") from e
 
