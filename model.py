@@ -374,7 +374,7 @@ def _folder_files(folder):
     config_file = os.path.join(folder, "config.json")
     if not os.path.isfile(config_file):
         raise errors.UsageError(f"{folder} has no config.json: init_from needs a Hugging Face GPT-2 checkpoint "
-                                f"folder (config.json with {' or '.join(WEIGHT_FILES[::2])})")
+                                "folder (config.json with model.safetensors or pytorch_model.bin)")
     for name in WEIGHT_FILES:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
@@ -384,8 +384,11 @@ def _folder_files(folder):
 
 def _shards(index_file):
     """The files a sharded checkpoint's index names (save_pretrained splits large models)."""
-    with open(index_file) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
+    try:
+        with open(index_file) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise errors.UsageError(f"{index_file}: not a checkpoint index with a 'weight_map' ({e!r})") from e
     paths = [os.path.join(os.path.dirname(index_file), name) for name in files]
     for path in paths:
         if not os.path.isfile(path):
