@@ -4,6 +4,7 @@ A small GPT in plain PyTorch, in the spirit of nanoGPT.
 One config field, `mlp`, picks how the MLP runs: "eager" (plain PyTorch, below), "fused" (our Triton
 kernels in fused_ops/) or "auto" (fused when the tensors are on a CUDA GPU and Triton works, eager
 otherwise). Both paths own exactly the same parameters, so a checkpoint trained one way loads the other.
+GPT.from_pretrained loads OpenAI's GPT-2 (Hugging Face checkpoints) into the same GPT, so either MLP runs it.
 """
 
 import inspect

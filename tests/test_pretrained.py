@@ -114,6 +114,14 @@ def test_block_size_crops_the_position_table(tiny):
         model.crop_block_size(0)
 
 
+def test_half_precision_file_loads_as_fp32(tiny, tmp_path):
+    tensors = {k: v.half() for k, v in load_file(tiny[1] / "model.safetensors").items()}
+    model = GPT.from_pretrained(write_checkpoint(tmp_path / "fp16", tensors, source=tiny[1]))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(model.transformer.h[1].mlp.c_fc.weight,
+                               tensors["transformer.h.1.mlp.c_fc.weight"].float().t(), rtol=0, atol=0)
+
+
 def test_dropout_and_mlp_overrides(tiny):
     model = GPT.from_pretrained(str(tiny[1]), mlp="auto", dropout=0.1)
     assert (model.config.mlp, model.config.dropout) == ("auto", 0.1)
