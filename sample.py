@@ -3,8 +3,11 @@ Sample from a model trained with train.py:
 
     python sample.py --out_dir=out-shakespeare-char-cpu --start="ROMEO:" --num_samples=2
     python sample.py --out_dir=out --start=FILE:prompt.txt --top_k=1          # greedy
+    python sample.py --init_from=gpt2 --start="The meaning of life is"          # OpenAI's GPT-2 (124M)
+    python sample.py --init_from=path/to/folder   # a Hugging Face GPT-2 checkpoint (config.json + model.safetensors)
 
-The tokenizer comes from the dataset metadata stored in the checkpoint, so the data folder is not needed.
+The tokenizer comes from the dataset metadata stored in the checkpoint, so the data folder is not needed;
+GPT-2 checkpoints use GPT-2's BPE.
 A checkpoint trained with any mlp setting loads into any other (--mlp); the parameters are the same.
 """
 
@@ -35,9 +38,19 @@ def load_checkpoint(out_dir, device="cpu", mlp=None):
     return model.eval().to(device), ckpt
 
 
+def load_pretrained(init_from, device="cpu", mlp=None):
+    """GPT-2 (a name or a Hugging Face checkpoint folder) in eval mode on device, and the metadata of its
+    tokenizer (GPT-2 BPE), as load_checkpoint gives for our own checkpoints."""
+    model = GPT.from_pretrained(init_from, mlp=mlp or "auto", dropout=0.0)
+    return model.eval().to(device), {"tokenizer": "gpt2", "vocab_size": model.config.vocab_size}
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", default="out", help="folder holding ckpt.pt")
+    p.add_argument("--init_from", default="resume", help="resume (out_dir/ckpt.pt), a GPT-2 name (gpt2, "
+                   "gpt2-medium, gpt2-large, gpt2-xl: from the Hugging Face cache, downloaded when online) or a "
+                   "folder with a Hugging Face GPT-2 checkpoint")
+    p.add_argument("--out_dir", default="out", help="folder holding ckpt.pt (with --init_from=resume)")
     p.add_argument("--start", default=None, help="prompt text, or FILE:path to read it from a file (default: a "
                    "newline, or the first token of a vocabulary without one)")
     p.add_argument("--num_samples", type=int, default=3)
@@ -65,13 +78,17 @@ def main(argv=None):
     autocast = (contextlib.nullcontext() if dtype == "float32"
                 else torch.autocast(device_type, dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]))
 
-    model, ckpt = load_checkpoint(args.out_dir, device, args.mlp)
-    encode, decode = data.get_tokenizer(ckpt["meta"])
+    if args.init_from == "resume":
+        model, ckpt = load_checkpoint(args.out_dir, device, args.mlp)
+        meta = ckpt["meta"]
+    else:
+        model, meta = load_pretrained(args.init_from, device, args.mlp)
+    encode, decode = data.get_tokenizer(meta)
     start = args.start
     if start is not None and start.startswith("FILE:"):
         with open(start[5:], encoding="utf-8") as f:
             start = f.read()
-    ids = data.start_ids(ckpt["meta"], encode, start)  # ValueError for characters a char vocabulary lacks
+    ids = data.start_ids(meta, encode, start)  # ValueError for characters a char vocabulary lacks
     if not ids:
         raise ValueError("the prompt is empty after encoding; give --start some text")
     x = torch.tensor([ids], dtype=torch.long, device=device)
@@ -85,7 +102,7 @@ def main(argv=None):
             y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                                use_kv_cache=not args.no_kv_cache)
             # A padded vocabulary (50304 for GPT-2's 50257) has rows with no text; an undertrained model may pick them.
-            samples.append(decode([i for i in y[0].tolist() if i < ckpt["meta"]["vocab_size"]]))
+            samples.append(decode([i for i in y[0].tolist() if i < meta["vocab_size"]]))
             print(samples[-1])
             print("---------------")
     return samples

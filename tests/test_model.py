@@ -11,6 +11,7 @@ import torch
 import fused_ops
 from model import GPT, MLP, GPTConfig, gpu_peak_flops
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU the kernels run in the interpreter
 TINY = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 
 
@@ -120,8 +121,8 @@ def test_the_switch_picks_the_path(mlp, runs_kernels, monkeypatch):
     calls = []
     apply = fused_ops.FusedMLPFunction.apply
     monkeypatch.setattr(fused_ops.FusedMLPFunction, "apply", lambda *a: (calls.append(1), apply(*a))[1])
-    model = GPT(GPTConfig(mlp=mlp, **TINY))
-    idx = torch.randint(0, 65, (2, 16))
+    model = GPT(GPTConfig(mlp=mlp, **TINY)).to(DEVICE)
+    idx = torch.randint(0, 65, (2, 16), device=DEVICE)
     model(idx, idx)[1].backward()
     assert len(calls) == (TINY["n_layer"] if runs_kernels else 0)
 
@@ -140,14 +141,14 @@ def test_one_token_of_shape_c_works_fused_as_eager(activation):
     the same gradients for the input and every parameter."""
     torch.manual_seed(0)
     cfg = dict(n_embd=32, n_head=2, activation=activation, bias=True)
-    eager, fused = MLP(GPTConfig(mlp="eager", **cfg)), MLP(GPTConfig(mlp="fused", **cfg))
+    eager, fused = MLP(GPTConfig(mlp="eager", **cfg)).to(DEVICE), MLP(GPTConfig(mlp="fused", **cfg)).to(DEVICE)
     fused.load_state_dict(eager.state_dict())
-    x = torch.randn(32)
+    x = torch.randn(32, device=DEVICE)
     outs = []
     for m in (eager, fused):
         xi = x.clone().requires_grad_()
         y = m(xi)
-        y.backward(torch.arange(32.0) / 32)
+        y.backward(torch.arange(32.0, device=DEVICE) / 32)
         outs.append((y, xi.grad, *(p.grad for p in m.parameters())))
     assert outs[1][0].shape == (32,) and outs[1][1].shape == (32,)
     for e, f in zip(*outs):

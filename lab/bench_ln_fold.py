@@ -1,7 +1,7 @@
 """LayerNorm + MLP with the LayerNorm folded into the fused MLP's first matmul (fuse_ln) against
 LayerNorm followed by the unfolded fused MLP, the eager pair, and torch.compile of the eager pair.
 
-    python tools/bench_ln_fold.py --out results/ln_fold_h100.json
+    python lab/bench_ln_fold.py --out lab/results/ln_fold_h100.json
 
 bf16, GPT-2 small size (M = 12288 tokens, C = 768); medians of triton.testing.do_bench (GPU + CPU launch
 time) and CUDA-graph replays (GPU time alone). Also times the LayerNorm alone: the most the fold can save
@@ -21,7 +21,6 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from fused_ops.mlp import FusedMLP
 from model import MLP, GPTConfig
 
 
@@ -32,10 +31,10 @@ def case(C, M, activation, dtype=torch.bfloat16):
     with torch.no_grad():  # a non-trivial γ, β
         ln.weight.normal_(1.0, 0.2)
         ln.bias.normal_(0.0, 0.2)
-    eager = MLP(cfg).cuda().to(dtype)
-    folded = FusedMLP(cfg).cuda().to(dtype)
+    eager = MLP(GPTConfig(n_embd=C, n_head=12, activation=activation)).cuda().to(dtype)
+    folded = MLP(cfg).cuda().to(dtype)
     folded.load_state_dict(eager.state_dict())
-    unfolded = FusedMLP(GPTConfig(n_embd=C, n_head=12, activation=activation, mlp="fused")).cuda().to(dtype)
+    unfolded = MLP(GPTConfig(n_embd=C, n_head=12, activation=activation, mlp="fused")).cuda().to(dtype)
     unfolded.load_state_dict(eager.state_dict())
     compiled = torch.compile(lambda x: eager(x, ln))
     x = torch.randn(M, C, device="cuda", dtype=dtype).requires_grad_()
@@ -83,7 +82,7 @@ def case(C, M, activation, dtype=torch.bfloat16):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="results/ln_fold.json")
+    ap.add_argument("--out", default="lab/results/ln_fold.json")
     args = ap.parse_args()
     rows = [case(768, 12288, act) for act in ("gelu", "swiglu")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -1,10 +1,11 @@
 """Diagnostics for the fused MLP on a GPU: every tile config of each kernel timed on its own, launch
 overhead (do_bench vs CUDA-graph replay), and a torch.profiler breakdown of one fused fwd+bwd.
 
-    python tools/profile_mlp.py [--C 768 --M 12288]
+    python lab/profile_mlp.py [--C 768 --M 12288]
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -15,7 +16,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from fused_ops import FusedMLP, linear_act_forward
+from fused_ops import linear_act_forward
 from fused_ops.activations import kernel_activations
 from fused_ops.dgrad import dgrad_kernel
 from fused_ops.linear_act import linear_act_kernel
@@ -115,7 +116,7 @@ def main():
         print(f"  launcher fwd: do_bench {t_bench * 1e3:.1f} us, graph {t_graph * 1e3:.1f} us; CPU per call {cpu_us:.1f} us")
 
         # The whole fused MLP fwd+bwd under the profiler.
-        mlp = FusedMLP(cfg).cuda().to(dt)
+        mlp = MLP(dataclasses.replace(cfg, mlp="fused")).cuda().to(dt)
         xg = x.clone().requires_grad_()
         for _ in range(3):
             mlp(xg).backward(dy)

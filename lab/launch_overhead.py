@@ -4,11 +4,11 @@ operations one at a time beside what eager runs instead, then a cProfile of the 
 backward. Last, at GPT-2 small's MLP size, do_bench's time per fwd+bwd beside the host's: where the two
 agree, the path is host-bound.
 
-    python tools/launch_overhead.py                      # the decomposition above
-    python tools/launch_overhead.py --targets            # issue 20's host-time target: fused vs eager MLP
-                                                         # fwd+bwd at M = 256, both backward threads, 3 rounds
-    python tools/launch_overhead.py --compile_boundary   # the fused MLP's GPU time inside torch.compile vs
-                                                         # outside (CUDA-graph replay), and its kernels
+    python lab/launch_overhead.py                      # the decomposition above
+    python lab/launch_overhead.py --targets            # issue 20's host-time target: fused vs eager MLP
+                                                       # fwd+bwd at M = 256, both backward threads, 3 rounds
+    python lab/launch_overhead.py --compile_boundary   # the fused MLP's GPU time inside torch.compile vs
+                                                       # outside (CUDA-graph replay), and its kernels
 """
 
 import argparse
