@@ -15,8 +15,10 @@ import os
 import runpy
 import types
 
+import errors
 
-class ConfigError(ValueError):
+
+class ConfigError(errors.UsageError, ValueError):
     """A bad config file, key or value; the message says which and what would be valid."""
 
 
