@@ -7,12 +7,17 @@ otherwise). Both paths own exactly the same parameters, so a checkpoint trained 
 """
 
 import inspect
+import json
 import math
+import os
+import pickle
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+import errors
 
 # Plain activations act on the whole hidden vector.
 PLAIN_ACTIVATIONS = {
@@ -241,10 +246,45 @@ class GPT(nn.Module):
         return logits, loss
 
     def crop_block_size(self, block_size):
-        """Shrink the context length (e.g. to fine-tune a checkpoint on shorter sequences)."""
-        assert block_size <= self.config.block_size
+        """Shrink the context length (e.g. to fine-tune GPT-2 on shorter sequences): keep the first
+        block_size rows of the position table. Call it before building the optimizer (a new Parameter)."""
+        if not (isinstance(block_size, int) and 0 < block_size <= self.config.block_size):
+            raise ValueError(f"block_size must be an integer in 1..{self.config.block_size} (the model's context), "
+                             f"got {block_size!r}")
         self.config.block_size = block_size
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        wpe = self.transformer.wpe
+        # A copy, not a view: a view would keep (and a checkpoint would save) the whole original table.
+        wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
+        wpe.num_embeddings = block_size
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, **overrides):
+        """OpenAI's GPT-2 as our GPT, on the CPU in fp32.
+
+        name_or_path: gpt2, gpt2-medium, gpt2-large or gpt2-xl (read from the Hugging Face cache, downloaded
+        when online), or a folder holding a Hugging Face GPT-2 checkpoint (config.json with model.safetensors
+        or pytorch_model.bin). The architecture comes from config.json; only these may be overridden:
+        mlp ("eager" | "fused" | "auto"), dropout, block_size (crops the position table).
+        """
+        unknown = sorted(set(overrides) - set(PRETRAINED_OVERRIDES))
+        if unknown:
+            raise errors.UsageError(f"from_pretrained: override {unknown[0]!r} is not allowed: the checkpoint fixes "
+                                    f"the architecture; only {', '.join(PRETRAINED_OVERRIDES)} can change")
+        config_file, weight_files = gpt2_checkpoint_files(name_or_path)
+        shape = read_gpt2_config(config_file)
+        block_size = overrides.pop("block_size", None)
+        if block_size is not None and not (isinstance(block_size, int) and 0 < block_size <= shape["block_size"]):
+            raise errors.UsageError(f"block_size={block_size!r}: GPT-2 from {name_or_path} has {shape['block_size']} "
+                                    f"positions (n_positions in {config_file}); pass an integer in 1..{shape['block_size']}")
+        try:  # exactly GPT-2: biases everywhere, its 50257 tokens (unpadded) and the tanh GELU
+            config = GPTConfig(**shape, vocab_size=GPT2_VOCAB_SIZE, bias=True, activation="gelu_tanh", **overrides)
+        except ValueError as e:  # a bad mlp or dropout
+            raise errors.UsageError(str(e)) from e
+        model = cls(config)
+        load_gpt2_weights(model, weight_files)
+        if block_size is not None and block_size < config.block_size:
+            model.crop_block_size(block_size)
+        return model
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         # Decay matrices and embeddings; never biases or LayerNorm gains (the 1-D parameters).
@@ -293,3 +333,153 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
         return idx
+
+
+# -----------------------------------------------------------------------------------------------------
+# GPT-2 checkpoints in the Hugging Face format (GPT.from_pretrained)
+
+GPT2_NAMES = {  # our name -> its Hugging Face hub repository
+    "gpt2": "openai-community/gpt2",  # 124M parameters
+    "gpt2-medium": "openai-community/gpt2-medium",  # 350M
+    "gpt2-large": "openai-community/gpt2-large",  # 774M
+    "gpt2-xl": "openai-community/gpt2-xl",  # 1558M
+}
+GPT2_VOCAB_SIZE = 50257
+PRETRAINED_OVERRIDES = ("mlp", "dropout", "block_size")
+# transformers' names for the tanh approximation of GELU (GPT-2's "gelu_new"): our gelu_tanh.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+# The checkpoint files, preferred first; a sharded checkpoint has an index naming its files instead.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# GPT-2 stores its linear layers as Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HUB_TIMEOUT = 10  # seconds to wait for the hub's answer, so that a machine without internet fails instead of hanging
+FOLDER_HINT = "pass --init_from=<folder> with a local checkpoint (config.json + model.safetensors)"
+
+
+def gpt2_checkpoint_files(name_or_path):
+    """(config.json, [weight files]) of a checkpoint folder, or of a GPT-2 name from the Hugging Face cache or hub.
+    An existing folder wins over a name, as in transformers."""
+    if os.path.isdir(name_or_path):
+        return _folder_files(name_or_path)
+    if name_or_path in GPT2_NAMES:
+        return _hub_files(name_or_path)
+    raise errors.UsageError(f"init_from={name_or_path!r} is neither a GPT-2 name ({', '.join(GPT2_NAMES)}) "
+                            f"nor an existing folder")
+
+
+def _folder_files(folder):
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_file):
+        raise errors.UsageError(f"{folder} has no config.json: init_from needs a Hugging Face GPT-2 checkpoint "
+                                f"folder (config.json with {' or '.join(WEIGHT_FILES[::2])})")
+    for name in WEIGHT_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return config_file, _shards(path) if name.endswith(".index.json") else [path]
+    raise errors.UsageError(f"{folder} has config.json but no weights: expected {' or '.join(WEIGHT_FILES)}")
+
+
+def _shards(index_file):
+    """The files a sharded checkpoint's index names (save_pretrained splits large models)."""
+    with open(index_file) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    paths = [os.path.join(os.path.dirname(index_file), name) for name in files]
+    for path in paths:
+        if not os.path.isfile(path):
+            raise errors.UsageError(f"{index_file} names {os.path.basename(path)}, which is missing from its folder")
+    return paths
+
+
+def _hub_files(name):
+    """The cached files if there are any (no network needed), else a download, which fails fast offline."""
+    from huggingface_hub import constants, hf_hub_download
+
+    repo = GPT2_NAMES[name]
+    for repo_id in (repo, name):  # older transformers cached GPT-2 under the short name
+        for weights in ("model.safetensors", "pytorch_model.bin"):
+            try:
+                return (hf_hub_download(repo_id, "config.json", local_files_only=True),
+                        [hf_hub_download(repo_id, weights, local_files_only=True)])
+            except FileNotFoundError:  # huggingface_hub's LocalEntryNotFoundError: not in the cache
+                pass
+    if constants.HF_HUB_OFFLINE:
+        raise errors.UsageError(f"init_from={name!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                                f"HF_HUB_OFFLINE is set: {FOLDER_HINT}, or download it once online")
+    try:
+        return (hf_hub_download(repo, "config.json", etag_timeout=HUB_TIMEOUT),
+                [hf_hub_download(repo, "model.safetensors", etag_timeout=HUB_TIMEOUT)])
+    except Exception as e:  # no network, hub down, proxy...: whatever it is, the way out is the same
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise errors.UsageError(f"init_from={name!r} is not in the Hugging Face cache and downloading {repo} failed "
+                                f"({type(e).__name__}: {reason}): {FOLDER_HINT}") from e
+
+
+def read_gpt2_config(path):
+    """n_layer, n_head, n_embd and block_size from a Hugging Face GPT-2 config.json, after checking that the
+    rest of it describes exactly what our GPT computes (anything else would load and silently compute wrong)."""
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise errors.UsageError(f"{path}: cannot read it as JSON ({e})") from e
+    try:
+        shape = dict(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"], block_size=hf["n_positions"])
+    except KeyError as e:
+        raise errors.UsageError(f"{path} has no {e.args[0]!r}: not a GPT-2 config") from None
+    # key: (what transformers assumes when the key is absent, the values our GPT computes)
+    required = {
+        "model_type": ("gpt2", ("gpt2",)),
+        "activation_function": ("gelu_new", TANH_GELUS),
+        "vocab_size": (GPT2_VOCAB_SIZE, (GPT2_VOCAB_SIZE,)),
+        "n_inner": (None, (None, 4 * shape["n_embd"])),
+        "layer_norm_epsilon": (1e-5, (1e-5,)),  # nn.LayerNorm's default
+        "scale_attn_weights": (True, (True,)),
+        "scale_attn_by_inverse_layer_idx": (False, (False,)),
+        "tie_word_embeddings": (True, (True,)),  # lm_head is wte
+    }
+    for key, (default, allowed) in required.items():
+        if hf.get(key, default) not in allowed:
+            raise errors.UsageError(f"{path}: {key}={hf[key]!r}, but GPT-2 (and our GPT) needs "
+                                    f"{' or '.join(map(repr, allowed))}")
+    return shape
+
+
+def _read_tensors(path):
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        raise errors.RunError(f"{path}: cannot read its tensors ({type(e).__name__}: {e}); "
+                              f"the file is damaged or incomplete: download or save it again") from e
+
+
+def load_gpt2_weights(model, weight_files):
+    """Copy a Hugging Face GPT-2 state dict into our GPT, checking every name and shape."""
+    hf = {}  # our name without "transformer." -> (tensor, file, its name in the file)
+    for path in weight_files:
+        for key, tensor in _read_tensors(path).items():
+            # OpenAI's original files have no "transformer." prefix; attn.bias / attn.masked_bias are
+            # transformers' causal-mask buffers, not weights; lm_head.weight is wte (tied).
+            if not key.endswith((".attn.bias", ".attn.masked_bias")) and key != "lm_head.weight":
+                hf[key.removeprefix("transformer.")] = (tensor, path, key)
+    ours = {k.removeprefix("transformer."): p for k, p in model.state_dict().items() if k != "lm_head.weight"}
+    missing, unexpected = sorted(set(ours) - set(hf)), sorted(set(hf) - set(ours))
+    if missing:
+        raise errors.UsageError(f"{', '.join(weight_files)} has no tensor {missing[0]!r} ({len(missing)} missing): "
+                                f"not a complete GPT-2 checkpoint for its config.json")
+    if unexpected:
+        _, path, key = hf[unexpected[0]]
+        raise errors.UsageError(f"{path} has a tensor {key!r} that GPT-2 does not ({len(unexpected)} unexpected): "
+                                f"not a GPT-2 checkpoint for its config.json")
+    with torch.no_grad():
+        for name, param in ours.items():  # state_dict tensors share storage with the parameters
+            tensor, path, key = hf[name]
+            conv1d = name.endswith(CONV1D_WEIGHTS)
+            want = tuple(param.shape[::-1] if conv1d else param.shape)  # in the file's layout
+            if tuple(tensor.shape) != want:
+                raise errors.UsageError(f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, but its "
+                                        f"config.json implies {want}")
+            param.copy_(tensor.t() if conv1d else tensor)  # to fp32, whatever the file holds
