@@ -150,7 +150,7 @@ def train(run, ckpt):
         restore(run, ckpt)
     run.model, run.eval_model = compile_model(run.raw_model, cfg, run.world, run.device_type, run.master)
     start_logging(run)
-    with StopOnSignal(run.master) as stop:
+    with StopOnSignal(run.master, grace=1.0 if run.world > 1 else 0.0) as stop:
         training_loop(run, stop)
     finish(run)
     return {"iter_num": run.iter_num, "best_val_loss": run.best_val, "losses": run.losses, "out_dir": cfg["out_dir"]}
@@ -779,12 +779,15 @@ def finish(run):
 class StopOnSignal:
     """While active, the first SIGINT (Ctrl-C) or SIGTERM only records itself in .signum: the loop finishes its
     step, saves and stops (stop_and_save). A second one raises KeyboardInterrupt at once: whatever checkpoint
-    write it cuts short leaves the previous checkpoint whole (save_checkpoint)."""
+    write it cuts short leaves the previous checkpoint whole (save_checkpoint).
+
+    Under torchrun each process gets Ctrl-C twice, from the terminal and forwarded by torchrun (which then waits
+    its --shutdown_timeout before killing): signals within `grace` seconds of the first count as that one."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, master):
-        self.master, self.signum, self.previous = master, None, {}
+    def __init__(self, master, grace=0.0):
+        self.master, self.grace, self.signum, self.first_at, self.previous = master, grace, None, None, {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
@@ -797,8 +800,10 @@ class StopOnSignal:
 
     def handle(self, signum, frame):
         if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
+            if time.monotonic() - self.first_at >= self.grace:
+                raise KeyboardInterrupt
+            return
+        self.signum, self.first_at = signum, time.monotonic()
         if self.master:
             print(f"\ntrain.py: {signal.Signals(signum).name}: stopping after this step to save a checkpoint "
                   "(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)

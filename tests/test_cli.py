@@ -294,3 +294,17 @@ def test_second_ctrl_c_in_a_real_process(dataset, trained, tmp_path):
     assert "stopping after this step" in err and err.strip().endswith("train.py: interrupted"), err
     assert "Resume with" not in err and "Traceback" not in err
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 4
+
+
+def test_under_torchrun_a_signal_forwarded_twice_is_one_stop_request():
+    """Ctrl-C under torchrun reaches each process twice (terminal, then torchrun): within the grace period the
+    second is the same request, not the quit-at-once one; without a grace period it quits."""
+    with train.StopOnSignal(master=False, grace=60) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+    assert stop.signum == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt), train.StopOnSignal(master=False) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
