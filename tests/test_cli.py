@@ -74,15 +74,17 @@ def test_train_names_a_missing_device(dataset, tmp_path, device):
     assert not os.listdir(tmp_path)  # checked before anything was written
 
 
-@pytest.mark.parametrize("argv, name", [
-    (["train.py", "configs/shakespeare_char_cpu.py"], "train.py"),
-    (["sample.py", "--out_dir=nowhere"], "sample.py"),
-    (["bench.py", "configs/shakespeare_char_cpu.py"], "bench.py"),
-])
-def test_scripts_name_a_missing_device(argv, name):
+def test_scripts_name_a_missing_device(tmp_path):
+    import bench
+    import sample
+
     device = missing_devices()[0]
-    line = one_line_error(script(*argv, f"--device={device}"), name, 2)
+    line = one_line_error(script("train.py", "configs/shakespeare_char_cpu.py", f"--device={device}"), "train.py", 2)
     assert f"--device={device}, but" in line
+    with pytest.raises(errors.UsageError, match=f"--device={device}, but"):
+        sample.main([f"--out_dir={tmp_path}", f"--device={device}"])
+    with pytest.raises(errors.UsageError, match=f"--device={device}, but"):
+        bench.main([os.path.join(ROOT, "configs", "shakespeare_char_cpu.py"), f"--device={device}"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only message")
