@@ -55,7 +55,7 @@ def coerce(key, value, allowed, raw=None):
 def _unknown(key, valid, where):
     hint = difflib.get_close_matches(key, valid, n=1)
     hint = f" Did you mean '{hint[0]}'?" if hint else ""
-    return ConfigError(f"unknown config key '{key}' ({where}).{hint}\nValid keys: {', '.join(sorted(valid))}")
+    return ConfigError(f"unknown config key '{key}' ({where}).{hint} Valid keys: {', '.join(sorted(valid))}")
 
 
 def parse_config(defaults, argv, key_types=None):

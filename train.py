@@ -21,6 +21,7 @@ import math
 import os
 import random
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -669,12 +670,15 @@ def keep_previous(path):
         return
     prev, tmp = f"{path}.prev", f"{path}.prev.tmp{os.getpid()}"
     try:
-        os.link(path, tmp)
-    except OSError:
-        import shutil
-
-        shutil.copyfile(path, tmp)
-    os.replace(tmp, prev)
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, prev)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def read_checkpoint(path, keys=CHECKPOINT_KEYS):
@@ -800,9 +804,12 @@ class StopOnSignal:
 
     def handle(self, signum, frame):
         if self.signum is not None:
-            if time.monotonic() - self.first_at >= self.grace:
-                raise KeyboardInterrupt
-            return
+            if time.monotonic() - self.first_at < self.grace:
+                return
+            if self.master:
+                print(f"train.py: {signal.Signals(signum).name} again: quitting now, without saving; the last "
+                      "checkpoint is kept", file=sys.stderr, flush=True)
+            raise KeyboardInterrupt
         self.signum, self.first_at = signum, time.monotonic()
         if self.master:
             print(f"\ntrain.py: {signal.Signals(signum).name}: stopping after this step to save a checkpoint "

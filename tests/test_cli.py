@@ -303,7 +303,8 @@ def test_second_ctrl_c_in_a_real_process(dataset, trained, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert time.perf_counter() - t0 < 5
     assert proc.returncode == 128 + signal.SIGINT, err
-    assert "stopping after this step" in err and err.strip().endswith("train.py: interrupted"), err
+    assert "stopping after this step" in err and "SIGINT again: quitting now" in err, err
+    assert err.strip().endswith("train.py: interrupted"), err
     assert "Resume with" not in err and "Traceback" not in err
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 4
 
