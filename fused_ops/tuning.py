@@ -3,11 +3,12 @@
 The configs target Hopper (H100/H200): 128-wide tiles feed its warpgroup MMA, 3-4 pipeline stages hide
 load latency.
 
-Tuning is our own few lines rather than triton.autotune: the key holds the weight's shape (N, K), dtype
-and kernel flags, never M, so a new batch size reuses the tuned choice; after the first call a launch is
-a dict lookup and a call of the kept compiled kernel (see LaunchPlan; triton.autotune's per-call
-bookkeeping cost ~100 us of CPU per launch, as much as the kernel itself). TUNING_LOG records what was
-tuned, the choice and how long it took.
+Tuning is our own few lines rather than triton.autotune, for two reasons. The key holds the weight's
+shape (N, K), dtype and kernel flags, never M, so a new batch size reuses the tuned choice instead of
+tuning again. And after the first call a launch is a dict lookup and a call of the kept compiled kernel
+(see LaunchPlan), where triton.autotune's per-call bookkeeping costs as much host time as a small
+kernel takes on the GPU (measured in docs/performance.md). TUNING_LOG records what was tuned, the choice
+and how long it took.
 
 Under TRITON_INTERPRET=1 (CPU tests) one small config keeps the interpreter fast and exercises masking.
 FUSED_OPS_AUTOTUNE=0 skips tuning and uses the first config (the test suite sets
@@ -52,9 +53,10 @@ def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None, s
 def matmul_configs(gated=False, dtype=None):
     """Candidate tiles for the fused matmul kernels. Gated kernels hold two accumulators, so their tiles are smaller.
 
-    On an H100 (tools/overlap_probe.py, notes/perf.md) what decides is whether the epilogue spills and
-    whether two programs fit on an SM: a 128x128 tile with 4 warps and 3 stages (96 KB of shared memory)
-    lets one program's epilogue run while the other's MMAs do."""
+    What decides is whether the epilogue spills and whether two programs fit on an SM, so that one
+    program's epilogue can run while the other's MMAs do: hence the 4-warp, 3-stage 128x128 tile and the
+    8-warp one capped at 128 registers a thread beside the larger tiles. Which wins depends on the GPU and
+    the shape, so all are timed (docs/performance.md has what was measured)."""
     if INTERPRET:
         return [_config(32, 32, 32, 4, 1, group_m=2)]
     if gated:
@@ -82,7 +84,7 @@ def matmul_configs(gated=False, dtype=None):
     if dtype is not None and dtype.itemsize >= 4:
         # fp32/fp64 operands take twice the shared memory per tile (BLOCK_K halved to fit), and an exact
         # fp32 dot runs on the FMA units, whose accumulator layout splits only through shared memory
-        # (a 128x256 tile asked for 256 KB on an H100): the whole-tile epilogue there.
+        # (more than an H100 has, for a 128x256 tile): the whole-tile epilogue there.
         configs = [_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], 32, c.num_warps, c.num_stages,
                            c.kwargs["GROUP_M"], c.maxnreg, split=False) for c in configs]
     return configs if AUTOTUNE else configs[:1]
@@ -126,6 +128,7 @@ def _grid_and_args(cfg, M, N, args, descriptors):
 
 
 def _jit_launch(kernel, grid, args, constexprs, cfg):
+    """Launch through Triton's JIT (compiling on first use); maxnreg is passed only where a config sets it."""
     options = {} if getattr(cfg, "maxnreg", None) is None or INTERPRET else {"maxnreg": cfg.maxnreg}
     return kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options)
 
@@ -148,9 +151,9 @@ def _specialization(args):
 class LaunchPlan:
     """One kernel at one tuning key: the tuned config and, on a GPU, its compiled kernels, called directly.
 
-    Triton's JIT launch re-derives on every call what is fixed per key (it binds ~35 arguments, builds a
-    cache key from them, looks the kernel up): on the H100 machine linear_act_forward took 126 us of host
-    time that way and takes 60 us with the plan (results/launch_overhead_h100.txt). A plan keeps the
+    Why: Triton's JIT launch re-derives on every call what is fixed per key (it binds every argument,
+    builds a cache key from them, looks the kernel up), and that host time is a large share of a fused
+    call's (lab/launch_overhead.py measures it; docs/performance.md has the numbers). A plan keeps the
     compiled kernel of each argument specialization (see _specialization) and launches it with the
     argument list in the kernel's parameter order. A new specialization goes through the JIT once
     (compiling if needed) and is then kept.

@@ -4,7 +4,7 @@ operations one at a time beside what eager runs instead, then a cProfile of the 
 backward. Last, at GPT-2 small's MLP size, do_bench's time per fwd+bwd beside the host's: where the two
 agree, the path is host-bound.
 
-    python tools/launch_overhead.py
+    python lab/launch_overhead.py
 """
 
 import cProfile

@@ -4,7 +4,7 @@ CUDA-graph replay times of the forward (with the saved derivative) and the dgrad
 the same shapes and the eager ops they replace, at GPT-2 small's MLP size unless told. (Correctness:
 tests/test_pingpong.py.)
 
-    python tools/pingpong_probe.py [--activation gelu|swiglu|...] [--M 12288 --C 768 --H 3072]
+    python lab/pingpong_probe.py [--activation gelu|swiglu|...] [--M 12288 --C 768 --H 3072]
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Print the eval losses of two or more training runs side by side (from their out_dir/log.jsonl).
 
-    python tools/compare_runs.py out-a out-b
+    python lab/compare_runs.py out-a out-b
 """
 
 import json

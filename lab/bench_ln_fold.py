@@ -1,7 +1,7 @@
 """LayerNorm + MLP with the LayerNorm folded into the fused MLP's first matmul (fuse_ln) against
 LayerNorm followed by the unfolded fused MLP, the eager pair, and torch.compile of the eager pair.
 
-    python tools/bench_ln_fold.py --out results/ln_fold_h100.json
+    python lab/bench_ln_fold.py --out lab/results/ln_fold_h100.json
 
 bf16, GPT-2 small size (M = 12288 tokens, C = 768); medians of triton.testing.do_bench (GPU + CPU launch
 time) and CUDA-graph replays (GPU time alone). Also times the LayerNorm alone: the most the fold can save
@@ -83,7 +83,7 @@ def case(C, M, activation, dtype=torch.bfloat16):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="results/ln_fold.json")
+    ap.add_argument("--out", default="lab/results/ln_fold.json")
     args = ap.parse_args()
     rows = [case(768, 12288, act) for act in ("gelu", "swiglu")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -2,7 +2,7 @@
 the same steps as bench.py: wall ms per step, host ms to enqueue a step (no synchronization inside), the
 GPU's busy time per step (sum of kernel times from torch.profiler), and the kernels grouped by kind.
 
-    python tools/profile_step.py configs/gpt2_124m.py [--activation=swiglu] [--variants=eager+compile,fused+compile]
+    python lab/profile_step.py configs/gpt2_124m.py [--activation=swiglu] [--variants=eager+compile,fused+compile]
     (a variant is eager or fused, optionally +compile or +<a torch.compile mode>, e.g. fused+reduce-overhead;
     --cpu-ops N lists the operators by host time, --cprofile N the Python functions)
 

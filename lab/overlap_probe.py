@@ -1,10 +1,10 @@
 """Probe: can the fused forward's epilogue (bias + GELU + saving the pre-activation) hide behind tensor-core
-work? tools/tma_probe.py showed a TMA main loop at cuBLAS speed but ~80 us of epilogue on top, because
+work? lab/tma_probe.py showed a TMA main loop at cuBLAS speed but ~80 us of epilogue on top, because
 with TMA *stores* (a staging buffer in shared memory) only one program fits per SM. This probe keeps the
 TMA loads, stores from registers (no staging buffer), so two 128x128 programs fit per SM and one's
 epilogue can overlap the other's main loop; and it separates the cost of erf from the cost of the stores.
 
-    python tools/overlap_probe.py          (results: notes/perf.md)
+    python lab/overlap_probe.py          (results: docs/performance.md)
 """
 
 import os

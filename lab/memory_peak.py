@@ -4,7 +4,7 @@ step's peak allocated memory above what was allocated before it (the parameters 
 the tensors alive at that moment, grouped by what allocated them (an autograd node such as GeluBackward0,
 a line of the project's code, or a kernel of torch.compile's generated code).
 
-    python tools/memory_peak.py configs/shakespeare_char.py [--variants=eager,fused,eager+compile,fused+compile]
+    python lab/memory_peak.py configs/shakespeare_char.py [--variants=eager,fused,eager+compile,fused+compile]
 
 The last table puts the variants side by side, one row per origin, so a difference between eager and
 fused shows as the rows that differ.
@@ -36,7 +36,7 @@ def origin(frames):
     compiled = any("torchinductor_" in f.get("filename", "") for f in frames)  # torch.compile's generated code
     for f in frames:  # (whose allocations carry the model's source line they were compiled from)
         name = f.get("filename", "")
-        if name.startswith(REPO) and "/tools/" not in name and not name.endswith("bench.py"):
+        if name.startswith(REPO) and "/lab/" not in name and not name.endswith("bench.py"):
             return ("compiled " if compiled else "") + f"{os.path.relpath(name, REPO)}:{f['line']} {f['name']}"
     return "compiled" if compiled else "other"
 

@@ -2,7 +2,7 @@
 the fused forward (bias + GELU + save pre) and dgrad (x GELU'(pre)) at the GPT-2 MLP shape? Sweeps tile
 configs, persistence, epilogue subtiling, warp specialization and two programs per SM (maxnreg).
 
-    python tools/tma_probe.py          (results: notes/perf.md)
+    python lab/tma_probe.py          (results: docs/performance.md)
 """
 
 import os

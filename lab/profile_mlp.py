@@ -1,7 +1,7 @@
 """Diagnostics for the fused MLP on a GPU: every tile config of each kernel timed on its own, launch
 overhead (do_bench vs CUDA-graph replay), and a torch.profiler breakdown of one fused fwd+bwd.
 
-    python tools/profile_mlp.py [--C 768 --M 12288]
+    python lab/profile_mlp.py [--C 768 --M 12288]
 """
 
 import argparse

@@ -9,8 +9,8 @@ the GPU machine (ncu ships with the CUDA toolkit there):
 
 then, anywhere:
 
-    python tools/ncu_stalls.py gelu_sass.csv                  # blocks of 128 instructions: find the phases
-    python tools/ncu_stalls.py gelu_sass.csv 0xd90 0x10f0 0x1210 0x6a80   # ranges cut at these offsets
+    python lab/ncu_stalls.py gelu_sass.csv                  # blocks of 128 instructions: find the phases
+    python lab/ncu_stalls.py gelu_sass.csv 0xd90 0x10f0 0x1210 0x6a80   # ranges cut at these offsets
 
 Offsets are from the kernel's first instruction. Per range: its share of all samples (a warp stalled or
 issuing is sampled alike, so with equal warp counts the shares compare times), warp-instructions executed,

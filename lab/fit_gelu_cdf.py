@@ -5,7 +5,7 @@ S(t) = erfcx(u) / (2t) with u = |x| / √2 = 2 (1/t - 1), a smooth function on t
 polynomial by least squares on the relative error, reweighted towards the largest errors until the fit is
 close to minimax. Prints the coefficients (highest power first) and the fit's largest relative error.
 
-    python tools/fit_gelu_cdf.py [--degree 7]
+    python lab/fit_gelu_cdf.py [--degree 7]
 """
 
 import argparse
