@@ -122,8 +122,8 @@ def main(argv=None):
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     # One process driving one GPU runs backward on its own thread. By default the autograd engine hands a CUDA
     # backward to a thread of its own and waits for it: that buys nothing here, and on the H100 hosts measured
-    # the handoff cost more host time than the work (tools/launch_overhead.py, bench.py --backward_thread;
-    # results/README.md, twelfth round). Not tried under DDP, which keeps PyTorch's default.
+    # the handoff cost more host time than the work (lab/launch_overhead.py, bench.py --backward_thread;
+    # docs/performance.md). Not tried under DDP, which keeps PyTorch's default.
     try:
         with torch.autograd.set_multithreading_enabled(ddp or device_type != "cuda"):
             return train(Run(cfg, argv, device, rank, world), ckpt)
