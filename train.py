@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import random
 import shlex
 import shutil
@@ -379,8 +380,9 @@ def build_model(cfg, ckpt, meta, data_dir):
         try:
             model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
         except RuntimeError as e:  # names the tensors that differ
-            raise errors.RunError(f"checkpoint {os.path.join(cfg['out_dir'], 'ckpt.pt')} does not fit its own model_args "
-                                  f"({str(e).splitlines()[0]}); {older_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))}") from e
+            path = os.path.join(cfg["out_dir"], "ckpt.pt")
+            raise errors.RunError(f"checkpoint {path} does not fit its own model_args ({str(e).splitlines()[0]}); "
+                                  f"{older_checkpoint(path)}") from e
     return model, model_args
 
 
@@ -418,7 +420,8 @@ def check_same_vocabulary(ckpt, meta, cfg, data_dir):
     (tok0, n0, _), (tok1, n1, _) = vocabulary(ckpt["meta"]), vocabulary(meta)
     same = " (the same size, other characters)" if (tok0, n0) == (tok1, n1) else ""
     raise ConfigError(f"checkpoint {os.path.join(cfg['out_dir'], 'ckpt.pt')} was trained on a {tok0} vocabulary of "
-                      f"{n0} tokens, but dataset {cfg['dataset']!r} ({data_dir}) has a {tok1} vocabulary of {n1}{same}: "
+                      f"{n0} tokens, but dataset {cfg['dataset']!r} ({data_dir}) has a {tok1} vocabulary of "
+                      f"{n1}{same}: "
                       f"resume with the dataset it was trained on (--dataset={ckpt['config'].get('dataset')}), or "
                       "train on this one in a new out_dir")
 
@@ -688,9 +691,12 @@ def read_checkpoint(path, keys=CHECKPOINT_KEYS):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (PermissionError, IsADirectoryError) as e:
         raise errors.UsageError(f"cannot read checkpoint {path}: {e.strerror}") from e
-    except Exception as e:  # torn or foreign files fail in torch.load's many ways (zip, pickle, EOF)
-        raise errors.RunError(f"checkpoint {path} is damaged or is not a checkpoint ({str(e).strip().splitlines()[0][:150]}); "
-                              f"{older_checkpoint(path)}") from e
+    except pickle.UnpicklingError as e:  # a pickle of other objects: weights_only loading refuses to run it
+        raise errors.UsageError(f"{path} is not a train.py checkpoint (it holds Python objects, not tensors and "
+                                f"plain data); {older_checkpoint(path)}") from e
+    except Exception as e:  # torn or foreign files fail in torch.load's many ways (zip, EOF)
+        why = str(e).strip().splitlines()[0][:150] if str(e).strip() else type(e).__name__
+        raise errors.RunError(f"checkpoint {path} is damaged or is not a checkpoint ({why}); {older_checkpoint(path)}") from e
     missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
     if missing:
         raise errors.UsageError(f"{path} is not a train.py checkpoint (it has no {', '.join(missing)}); "
