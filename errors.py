@@ -6,7 +6,7 @@ expected failure.
     Stopped     the run was asked to stop (Ctrl-C, SIGTERM) and stopped cleanly:            128 + the signal
 
 Anything else is a bug and keeps its traceback. Set DEBUG=1 in the environment to get tracebacks for the
-expected failures too.
+expected failures too. check_device is the one check every entry point makes before using a device.
 """
 
 import os
