@@ -303,3 +303,15 @@ def test_init_from_gpt2_needs_a_gpt2_vocabulary(gpt2_folder, dataset, tmp_path):
         run(dataset, str(tmp_path / "out"), f"--init_from={gpt2_folder}")
     with pytest.raises(train.ConfigError, match=r"'init_from' must be scratch, resume, gpt2, .* got 'no/such/folder'"):
         run(dataset, str(tmp_path / "out"), "--init_from=no/such/folder")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_init_from_a_gpt2_folder_fine_tunes_on_the_gpu_with_the_fused_mlp(gpt2_folder, bpe_dataset, tmp_path):
+    out = str(tmp_path / "out")
+    summary = run(bpe_dataset, out, f"--init_from={gpt2_folder}", "--device=cuda", "--dtype=bfloat16", "--mlp=fused",
+                  "--max_iters=30", "--eval_interval=30", "--lr_decay_iters=30")
+    (i0, _, val0), (i1, _, val1) = evals(read_log(out))
+    assert (i0, i1) == (0, 30) and summary["iter_num"] == 30
+    assert val1 < val0 - 1.0, (val0, val1)  # from about ln(50257) for random weights
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["model_args"]["mlp"] == "fused"
