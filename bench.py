@@ -30,6 +30,7 @@ import json
 import os
 import runpy
 import statistics
+import sys
 import time
 
 import torch
@@ -37,6 +38,7 @@ import triton
 from tqdm import tqdm
 
 import bench_mlp
+import errors
 from model import GPT, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")
@@ -66,6 +68,9 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if not args.config and not args.mlp_widths:
         ap.error("give a config file, or --mlp_widths")
+    if args.config and not os.path.isfile(args.config):
+        raise errors.UsageError(f"config file not found: {args.config} (e.g. configs/gpt2_124m.py)")
+    errors.check_device(args.device)
     return args
 
 
@@ -74,7 +79,10 @@ def pick_dtype(args):
 
 
 def load_config(args):
-    cfg = {k: v for k, v in runpy.run_path(args.config).items() if not k.startswith("_")}
+    try:
+        cfg = {k: v for k, v in runpy.run_path(args.config).items() if not k.startswith("_")}
+    except Exception as e:  # the config file's own error, named with the file
+        raise errors.UsageError(f"config file {args.config} failed to run: {type(e).__name__}: {e}") from e
     model = {k: cfg[k] for k in MODEL_KEYS if k in cfg}
     for k in ("block_size", "activation"):
         if getattr(args, k) is not None:
@@ -121,9 +129,20 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
 
 
 def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
+    """One variant's row (time_variant); out of memory is one line saying what to lower."""
     if args.device.startswith("cuda"):  # blocks cached by earlier variants would count in this one's reserved peak
         gc.collect()
         torch.cuda.empty_cache()
+    try:
+        return time_variant(model_args, state, mlp, compiled, batches, args, dtype)
+    except torch.OutOfMemoryError as e:
+        raise errors.RunError(f"out of memory running {label({'mlp': mlp, 'compile': compiled})} "
+                              f"({str(e).splitlines()[0][:120]}): lower --batch_size, --block_size or --grad_accum, "
+                              "or use a smaller config") from None
+
+
+def time_variant(model_args, state, mlp, compiled, batches, args, dtype):
+    """Warm-up steps, then timed ones: median ms/step, tokens/s, MFU, peak memory, the first losses."""
     model, step = make_step(model_args, state, mlp, compiled, batches, args, dtype)
     cuda = args.device.startswith("cuda")
     losses, times = [], []
@@ -226,8 +245,8 @@ def mlp_widths(args):
               else [bench_mlp.DEFAULT_TOKENS.get(C, 8192) for C in widths])
     settings = [compile_setting(c) for c in args.compile.split(",")]
     if any(c not in (True, False) for c in settings):
-        raise SystemExit(f"--mlp_widths takes --compile=True and/or False (torch.compile's default mode), "
-                         f"got {args.compile}")
+        raise errors.UsageError(f"--mlp_widths takes --compile=True and/or False (torch.compile's default mode), "
+                                f"got --compile={args.compile}")
     compiled = True in settings
     paths = ["eager", "fused"] + (["compile"] if compiled else [])
     torch.manual_seed(0)
@@ -308,4 +327,4 @@ def plot_widths(rows, path, title):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(errors.run_main("bench.py", main))

@@ -14,13 +14,16 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 import triton
 from triton.testing import do_bench
 
+import errors
 from fused_ops import linear_act_dgrad, linear_act_forward
 from fused_ops.tuning import TUNING_LOG
 from model import MLP, GPTConfig
@@ -183,28 +186,59 @@ def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=
     return row
 
 
-if __name__ == "__main__":
+def int_list(text):
+    """argparse type for "768,1024": a clear usage error for anything else."""
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def check_can_run(args):
+    """Everything a long measurement needs, checked before it starts."""
+    if not torch.cuda.is_available():
+        raise errors.UsageError("this benchmark times the kernels on a CUDA GPU, and there is none here; on the CPU "
+                                "the same code runs (slowly, for tests) as: TRITON_INTERPRET=1 python bench.py "
+                                "--mlp_widths=32,64 --mlp_tokens=32,32 --device=cpu --compile=False")
+    if args.tokens and len(args.tokens) != len(args.widths):
+        raise errors.UsageError(f"--tokens gives {len(args.tokens)} values for {len(args.widths)} --widths: one per width")
+    folder = os.path.dirname(args.out) or "."
+    if not os.path.isdir(folder):
+        raise errors.UsageError(f"--out={args.out}: folder {folder} does not exist")
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--widths", default="768", help="comma-separated model widths C")
-    ap.add_argument("--tokens", default="", help="comma-separated M per width (default 12288 for 768, else 16384/8192)")
+    ap.add_argument("--widths", default=[768], type=int_list, help="comma-separated model widths C")
+    ap.add_argument("--tokens", default=None, type=int_list,
+                    help="comma-separated M per width (default 12288 for 768, else 16384/8192)")
     ap.add_argument("--activations", default="gelu,swiglu")
     ap.add_argument("--out", default="results/mlp.json")
     add_backward_thread_arg(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    check_can_run(args)
     backward_thread(args)
-    widths = [int(c) for c in args.widths.split(",")]
-    tokens = [int(m) for m in args.tokens.split(",")] if args.tokens else [DEFAULT_TOKENS.get(c, 8192) for c in widths]
+    widths = args.widths
+    tokens = args.tokens or [DEFAULT_TOKENS.get(c, 8192) for c in widths]
+    try:
+        report(args, widths, tokens)
+    except torch.OutOfMemoryError as e:
+        raise errors.RunError(f"out of memory on the GPU ({str(e).splitlines()[0][:120]}): lower --tokens "
+                              "or --widths") from None
 
+
+def report(args, widths, tokens):
+    """Measure every (width, activation), write args.out, print the tables."""
     torch.manual_seed(0)
-    PEAK_TFLOPS, BANDWIDTH = measure_peaks()
-    print(f"measured: bf16 matmul {PEAK_TFLOPS:.0f} TFLOP/s, copy {BANDWIDTH:.0f} GB/s")
+    peak_tflops, bandwidth = measure_peaks()
+    print(f"measured: bf16 matmul {peak_tflops:.0f} TFLOP/s, copy {bandwidth:.0f} GB/s")
     compile_times, rows = {}, []
     for C, M in zip(widths, tokens):
         for act in args.activations.split(","):
-            rows.append(mlp_case(C, M, act, compile_times, PEAK_TFLOPS))
+            rows.append(mlp_case(C, M, act, compile_times, peak_tflops))
             print(f"done C={C} {act}", flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "date": time.strftime("%Y-%m-%d"), "matmul_tflops": PEAK_TFLOPS, "copy_gbps": BANDWIDTH,
+           "date": time.strftime("%Y-%m-%d"), "matmul_tflops": peak_tflops, "copy_gbps": bandwidth,
            "backward_thread": args.backward_thread,
            "first_call_seconds": compile_times,
            "tuned": [[name, str(key[:3]), cfg.kwargs, cfg.num_warps, cfg.num_stages, sec] for name, key, cfg, sec in TUNING_LOG]}
@@ -231,3 +265,7 @@ if __name__ == "__main__":
                   f"{r['kernel_dgrad_ms'] / r['matmul_dgrad_ms']:9.2f}")
     print("fwd ms: " + "  ".join(f"{r['activation']} C={r['C']}: eager {r['eager_fwd_ms']:.3f} compile "
                                  f"{r['compile_fwd_ms']:.3f} fused {r['fused_fwd_ms']:.3f}" for r in rows))
+
+
+if __name__ == "__main__":
+    sys.exit(errors.run_main("bench_mlp.py", main))

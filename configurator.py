@@ -15,8 +15,10 @@ import os
 import runpy
 import types
 
+import errors
 
-class ConfigError(ValueError):
+
+class ConfigError(errors.UsageError, ValueError):
     """A bad config file, key or value; the message says which and what would be valid."""
 
 
@@ -53,7 +55,7 @@ def coerce(key, value, allowed, raw=None):
 def _unknown(key, valid, where):
     hint = difflib.get_close_matches(key, valid, n=1)
     hint = f" Did you mean '{hint[0]}'?" if hint else ""
-    return ConfigError(f"unknown config key '{key}' ({where}).{hint}\nValid keys: {', '.join(sorted(valid))}")
+    return ConfigError(f"unknown config key '{key}' ({where}).{hint} Valid keys: {', '.join(sorted(valid))}")
 
 
 def parse_config(defaults, argv, key_types=None):

@@ -3,12 +3,14 @@ expected failure.
 
     UsageError  the user asked for something wrong (bad argument, missing file, bad config): exit status 2
     RunError    the run itself failed (diverged, out of memory, damaged checkpoint):           exit status 1
+    Stopped     the run was asked to stop (Ctrl-C, SIGTERM) and stopped cleanly:            128 + the signal
 
 Anything else is a bug and keeps its traceback. Set DEBUG=1 in the environment to get tracebacks for the
-expected failures too.
+expected failures too. check_device is the one check every entry point makes before using a device.
 """
 
 import os
+import signal
 import sys
 
 
@@ -24,20 +26,52 @@ class RunError(Exception):
     exit_status = 1
 
 
+class Stopped(Exception):
+    """Stopped on a signal after saving its work; the message says how to continue. Exit status 128 + signal,
+    as a shell reports a process killed by it (130 for Ctrl-C), so that scripts see the run did not finish."""
+
+    def __init__(self, signum, message):
+        super().__init__(message)
+        self.exit_status = 128 + signum
+
+
 def run_main(script, main, argv=None, quiet=False):
     """Call main(argv); turn expected failures into one line on stderr and an exit status (0 on success).
 
     quiet=True prints nothing (ranks other than 0 under torchrun) but still returns the status."""
     try:
         main(argv)
-    except (UsageError, RunError) as e:
+    except (UsageError, RunError, Stopped) as e:
         if os.environ.get("DEBUG"):
             raise
         if not quiet:
-            print(f"{script}: error: {e}", file=sys.stderr)
+            print(f"{script}: {'' if isinstance(e, Stopped) else 'error: '}{e}", file=sys.stderr)
         return e.exit_status
     except KeyboardInterrupt:
         if not quiet:
             print(f"{script}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
     return 0
+
+
+def check_device(name, arg="--device"):
+    """name ("cpu", "cuda", "cuda:1", "mps") if this machine has it, else a UsageError naming arg. Asked before
+    any work: PyTorch's own failure comes later, as a traceback ("Torch not compiled with CUDA enabled")."""
+    import torch  # here, not at the top: data.py fails through this module too and never needs torch
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"{arg}={name} is not a device: use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this PyTorch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise UsageError(f"{arg}={name}, but {why}: use {arg}=cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"{arg}={name}, but this machine has {count} CUDA GPU(s): cuda:0"
+                             f"{f' to cuda:{count - 1}' if count > 1 else ''}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"{arg}={name}, but MPS (Apple GPU) is not available here: use {arg}=cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"{arg}={name}: this repo runs on cpu, cuda or mps")
+    return name

@@ -19,7 +19,9 @@ import sys
 import torch
 
 import data
+import errors
 from model import GPT, GPTConfig
+from train import read_checkpoint
 
 
 def load_checkpoint(out_dir, device="cpu", mlp=None):
@@ -27,7 +29,7 @@ def load_checkpoint(out_dir, device="cpu", mlp=None):
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}; train one first, e.g. python train.py configs/shakespeare_char_cpu.py")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = read_checkpoint(path, keys=("model", "model_args", "meta"))  # one line if damaged or foreign
     model_args = {**ckpt["model_args"], "dropout": 0.0}
     if mlp is not None:
         model_args["mlp"] = mlp
@@ -71,6 +73,7 @@ def main(argv=None):
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    errors.check_device(device)  # one line naming --device if this machine has no such device
     device_type = device.split(":")[0]
     dtype = args.dtype
     if dtype == "auto":
@@ -108,13 +111,16 @@ def main(argv=None):
     return samples
 
 
-def cli():
+def checked_main(argv=None):
+    """main(), with a missing file or a prompt the vocabulary cannot encode as bad usage (exit status 2)."""
     try:
-        main()
+        main(argv)
     except (FileNotFoundError, ValueError) as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        raise errors.UsageError(str(e)) from e
+
+
+def cli():
+    return errors.run_main("sample.py", checked_main)
 
 
 if __name__ == "__main__":

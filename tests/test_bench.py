@@ -54,7 +54,7 @@ def test_compile_settings_and_labels():
     assert [bench.compile_setting(c) for c in ("False", "True", "reduce-overhead")] == [False, True, "reduce-overhead"]
     assert [bench.label({"mlp": "fused", "compile": c}) for c in (False, True, "reduce-overhead")] == \
         ["fused", "fused +compile", "fused +reduce-overhead"]
-    with pytest.raises(SystemExit, match="--mlp_widths takes --compile=True and/or False"):
+    with pytest.raises(bench.errors.UsageError, match="--mlp_widths takes --compile=True and/or False"):
         bench.main(["--mlp_widths=32", "--compile=reduce-overhead", "--device=cpu"])
 
 

@@ -78,7 +78,7 @@ def test_help_lists_keys(capsys):
     ("--mlp=turbo", r"'mlp' must be one of \('eager', 'fused', 'auto'\), got 'turbo'"),
     ("--activation=swish", r"'activation' must be one of"),
     ("--n_head=5", r"'n_embd' \(32\) must be divisible by 'n_head' \(5\)"),
-    ("--init_from=gpt2", r"'init_from' must be 'scratch' or 'resume'"),
+    ("--init_from=gpt3", r"'init_from' must be scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl or a folder"),
     ("--dtype=float8", r"'dtype' must be one of"),
     ("--batch_size=0", r"'batch_size' must be positive"),
     ("--dropout=1.5", r"'dropout' must be in \[0, 1\)"),
@@ -102,7 +102,7 @@ def test_cli_exits_nonzero_with_clear_message():
     proc = subprocess.run([sys.executable, "train.py", "configs/shakespeare_char_cpu.py", "--dropout=high"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "config error: config key 'dropout' expects float, got 'high'" in proc.stderr
+    assert "train.py: error: config key 'dropout' expects float, got 'high'" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -79,7 +79,7 @@ def test_clear_errors(out_dir, tmp_path):
         sample.main([f"--out_dir={out_dir}", "--device=cpu", "--start=Z"])
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
                           text=True)
-    assert proc.returncode == 1 and "no checkpoint at" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "sample.py: error: no checkpoint at" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_vocabulary_without_newline(tmp_path, capsys):

@@ -252,3 +252,66 @@ def test_one_gpu_runs_backward_on_the_calling_thread(dataset, tmp_path, monkeypa
         "--mlp=fused")
     assert threads and set(threads) == {threading.get_ident()}
     assert torch._C._is_multithreading_enabled()
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    """A tiny random GPT-2 in the Hugging Face format (what save_pretrained writes), made offline."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("tiny_gpt2")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def bpe_dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bpe")
+    write_corpus(root / "corpus.txt", n_lines=300)
+    data.prepare(str(root / "bpe"), source=str(root / "corpus.txt"), tokenizer="gpt2")
+    return str(root / "bpe")
+
+
+def test_init_from_a_gpt2_folder_trains_resumes_and_samples(gpt2_folder, bpe_dataset, tmp_path):
+    """--init_from=<folder>: the run starts from those weights (cropped to block_size), saves GPT-2's
+    architecture with them, and the checkpoint resumes and samples like any other."""
+    import safetensors.torch
+
+    import sample
+
+    out = str(tmp_path / "out")
+    run(bpe_dataset, out, f"--init_from={gpt2_folder}", "--max_iters=0", "--eval_iters=2")
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    hf = safetensors.torch.load_file(os.path.join(gpt2_folder, "model.safetensors"))
+    assert torch.equal(ckpt["model"]["transformer.wte.weight"], hf["transformer.wte.weight"])
+    assert torch.equal(ckpt["model"]["transformer.wpe.weight"], hf["transformer.wpe.weight"][:32])  # block_size 32
+    assert torch.equal(ckpt["model"]["transformer.h.1.mlp.c_fc.weight"], hf["transformer.h.1.mlp.c_fc.weight"].t())
+    expected = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "bias": True, "vocab_size": 50257,
+                "activation": "gelu_tanh", "mlp": "eager"}
+    assert {k: ckpt["model_args"][k] for k in expected} == expected
+    assert {k: ckpt["config"][k] for k in train.ARCH_KEYS} == {k: expected[k] for k in train.ARCH_KEYS}
+
+    assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=3"])["iter_num"] == 3
+    text = sample.main([f"--out_dir={out}", "--device=cpu", "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=5"])
+    assert text[0].startswith("ROMEO:")
+
+
+def test_init_from_gpt2_needs_a_gpt2_vocabulary(gpt2_folder, dataset, tmp_path):
+    with pytest.raises(train.ConfigError, match=rf"init_from='{gpt2_folder}' is GPT-2 with its BPE vocabulary, but "
+                                                r"dataset .* has a char vocabulary of \d+ tokens: .*--tokenizer=gpt2"):
+        run(dataset, str(tmp_path / "out"), f"--init_from={gpt2_folder}")
+    with pytest.raises(train.ConfigError, match=r"'init_from' must be scratch, resume, gpt2, .* got 'no/such/folder'"):
+        run(dataset, str(tmp_path / "out"), "--init_from=no/such/folder")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_init_from_a_gpt2_folder_fine_tunes_on_the_gpu_with_the_fused_mlp(gpt2_folder, bpe_dataset, tmp_path):
+    out = str(tmp_path / "out")
+    summary = run(bpe_dataset, out, f"--init_from={gpt2_folder}", "--device=cuda", "--dtype=bfloat16", "--mlp=fused",
+                  "--max_iters=30", "--eval_interval=30", "--lr_decay_iters=30")
+    (i0, _, val0), (i1, _, val1) = evals(read_log(out))
+    assert (i0, i1) == (0, 30) and summary["iter_num"] == 30
+    assert val1 < val0 - 1.0, (val0, val1)  # from about ln(50257) for random weights
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["model_args"]["mlp"] == "fused"

@@ -1,0 +1,325 @@
+"""Every entry point fails like a tool (issue 23): expected failures are one line `<script>: error: ...` naming
+the argument, file or key, with exit status 2 (bad usage) or 1 (failed run); Ctrl-C and SIGTERM stop training
+at the end of a step with a checkpoint and the command that resumes; a second Ctrl-C quits at once."""
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import data
+import errors
+import train
+from test_train import TINY, read_log, step_losses, write_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+ENV.pop("DEBUG", None)
+
+
+def script(*args, timeout=120):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def one_line_error(proc, script_name, status):
+    """The error line, after checking that it is the only output on stderr and that the exit status is right."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == status, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"{script_name}: error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_data")
+    write_corpus(root / "corpus.txt")
+    data.prepare(str(root / "tiny"), source=str(root / "corpus.txt"), tokenizer="char")
+    return str(root / "tiny")
+
+
+@pytest.fixture(scope="module")
+def trained(dataset, tmp_path_factory):
+    """A finished tiny run with two checkpoints written (iters 2 and 4): ckpt.pt and ckpt.pt.prev."""
+    out = str(tmp_path_factory.mktemp("cli_run") / "out")
+    train.main(TINY + [f"--dataset={dataset}", f"--out_dir={out}", "--max_iters=4", "--eval_interval=2",
+                       "--lr_decay_iters=4", "--eval_iters=2"])
+    return out
+
+
+def copy_run(trained, tmp_path):
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    return out
+
+
+# --- a device that is not there ------------------------------------------------------------------------------
+
+def missing_devices():
+    """Devices this machine lacks: CUDA when it has none (else one past its GPUs), and MPS off a Mac."""
+    cuda = [f"cuda:{torch.cuda.device_count()}"] if torch.cuda.is_available() else ["cuda", "cuda:7"]
+    return cuda + ([] if torch.backends.mps.is_available() else ["mps"])
+
+
+@pytest.mark.parametrize("device", missing_devices())
+def test_train_names_a_missing_device(dataset, tmp_path, device):
+    with pytest.raises(errors.UsageError, match=rf"--device={device}, but "):
+        train.main(TINY[:-3] + [f"--device={device}", f"--dataset={dataset}", f"--out_dir={tmp_path}"])
+    assert not os.listdir(tmp_path)  # checked before anything was written
+
+
+def test_scripts_name_a_missing_device(tmp_path):
+    import bench
+    import sample
+
+    device = missing_devices()[0]
+    line = one_line_error(script("train.py", "configs/shakespeare_char_cpu.py", f"--device={device}"), "train.py", 2)
+    assert f"--device={device}, but" in line
+    with pytest.raises(errors.UsageError, match=f"--device={device}, but"):
+        sample.main([f"--out_dir={tmp_path}", f"--device={device}"])
+    with pytest.raises(errors.UsageError, match=f"--device={device}, but"):
+        bench.main([os.path.join(ROOT, "configs", "shakespeare_char_cpu.py"), f"--device={device}"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only message")
+def test_bench_mlp_needs_a_gpu():
+    line = one_line_error(script("bench_mlp.py"), "bench_mlp.py", 2)
+    assert "CUDA GPU" in line and "bench.py --mlp_widths" in line  # what to run on the CPU instead
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    import bench_mlp
+
+    with pytest.raises(SystemExit) as e:
+        bench_mlp.main(["--widths=7x"])
+    assert e.value.code == 2
+    assert "error: argument --widths: expected comma-separated integers, got '7x'" in capsys.readouterr().err
+    assert "config file not found: nope.py" in one_line_error(script("bench.py", "nope.py"), "bench.py", 2)
+
+
+# --- damaged and foreign checkpoints ---------------------------------------------------------------------------
+
+def test_damaged_checkpoint_names_the_file_and_the_older_one(trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    path = os.path.join(out, "ckpt.pt")
+    with open(path, "r+b") as f:  # a copy cut short
+        f.truncate(os.path.getsize(path) // 2)
+    line = one_line_error(script("train.py", "--init_from=resume", f"--out_dir={out}"), "train.py", 1)
+    assert f"checkpoint {path} is damaged" in line
+    assert f"mv {path}.prev {path} to continue from its iter 2" in line, line
+    line = one_line_error(script("sample.py", f"--out_dir={out}", "--device=cpu"), "sample.py", 1)
+    assert f"checkpoint {path} is damaged" in line and "iter 2" in line
+    # following the advice works
+    os.replace(path + ".prev", path)
+    assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=3"])["iter_num"] == 3
+
+
+def test_damaged_checkpoint_without_an_older_one(trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    path = os.path.join(out, "ckpt.pt")
+    os.remove(path + ".prev")
+    for content in (b"PK\x03\x04 not much of a zip", b""):
+        with open(path, "wb") as f:
+            f.write(content)
+        with pytest.raises(errors.RunError, match=rf"{path} is damaged .*no older checkpoint is kept .*init_from=scratch"):
+            train.main(["--init_from=resume", f"--out_dir={out}"])
+
+
+def test_foreign_checkpoint(trained, tmp_path):
+    out = copy_run(trained, tmp_path)
+    path = os.path.join(out, "ckpt.pt")
+    torch.save({"weights": torch.zeros(3)}, path)  # somebody's tensors, not a train.py checkpoint
+    line = one_line_error(script("train.py", "--init_from=resume", f"--out_dir={out}"), "train.py", 2)
+    assert f"{path} is not a train.py checkpoint (it has no model, optimizer, model_args" in line
+    assert "the one before it is intact" in line
+    torch.save(torch.nn.Linear(2, 2), path)  # a pickled module: weights_only loading refuses it
+    with pytest.raises(errors.UsageError, match=rf"{path} is not a train.py checkpoint \(it holds Python objects"):
+        train.main(["--init_from=resume", f"--out_dir={out}"])
+
+
+def test_each_save_keeps_the_one_before(trained):
+    now = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)
+    before = torch.load(os.path.join(trained, "ckpt.pt.prev"), weights_only=True)
+    assert (before["iter_num"], now["iter_num"]) == (2, 4)
+    assert not [f for f in os.listdir(trained) if ".tmp" in f]
+
+
+# --- a checkpoint whose vocabulary is not the dataset's --------------------------------------------------------
+
+def test_resume_on_another_vocabulary(trained, tmp_path):
+    (tmp_path / "other.txt").write_text("abcdefg hijk\n" * 400)  # another, smaller character set
+    data.prepare(str(tmp_path / "other"), source=str(tmp_path / "other.txt"), tokenizer="char")
+    out = copy_run(trained, tmp_path)
+    proc = script("train.py", "--init_from=resume", f"--out_dir={out}", f"--dataset={tmp_path / 'other'}")
+    line = one_line_error(proc, "train.py", 2)
+    assert f"{os.path.join(out, 'ckpt.pt')} was trained on a char vocabulary of" in line
+    assert f"dataset '{tmp_path / 'other'}'" in line and "a char vocabulary of 13" in line and "--dataset=" in line
+
+
+# --- out of memory ---------------------------------------------------------------------------------------------
+
+def test_out_of_memory_says_what_to_lower(dataset, trained, tmp_path, monkeypatch, capsys):
+    """torch.OutOfMemoryError raised in a real run's third training forward: one line naming the settings."""
+    out = copy_run(trained, tmp_path)
+    forward, calls = train.GPT.forward, []
+
+    def forward_running_out(self, *args, **kwargs):
+        calls.append(self.training)
+        if sum(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.1 GiB total)")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(train.GPT, "forward", forward_running_out)
+    status = errors.run_main("train.py", train.main, ["--init_from=resume", f"--out_dir={out}", "--max_iters=10"])
+    line = capsys.readouterr().err.strip()
+    assert status == 1 and "\n" not in line
+    assert line.startswith("train.py: error: out of memory on cpu (CUDA out of memory. Tried to allocate 20.00 GiB")
+    for key in ("batch_size (now 8", "gradient_accumulation_steps, now 2", "block_size (now 32)", "n_layer",
+                "compile=True", f"{os.path.join(out, 'ckpt.pt')} is kept"):
+        assert key in line, (key, line)
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_out_of_memory_on_the_gpu(dataset, tmp_path):
+    """A batch far too big for any GPU (each 16384 x 1024 x 1024 activation is 32 GiB in bf16): one line."""
+    proc = script("train.py", *TINY[:-3], "--device=cuda", "--dtype=bfloat16", "--mlp=fused", "--n_embd=1024",
+                  "--n_head=8", "--block_size=1024", "--batch_size=16384", "--eval_iters=1", "--max_iters=2",
+                  f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", timeout=300)
+    line = one_line_error(proc, "train.py", 1)
+    assert "out of memory on cuda" in line and "lower batch_size (now 16384" in line and "block_size (now 1024)" in line
+
+
+# --- Ctrl-C and SIGTERM ----------------------------------------------------------------------------------------
+
+def start_training(dataset, out, *args):
+    """A tiny run in a subprocess with plain log lines; returns it once it has logged a few steps."""
+    cmd = [sys.executable, "train.py", *TINY, f"--dataset={dataset}", f"--out_dir={out}", "--max_iters=100000",
+           "--eval_interval=100000", "--eval_iters=2", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    for line in proc.stdout:
+        if line.startswith("iter 3:"):
+            return proc
+    raise AssertionError(f"no steps logged: {proc.wait()} {proc.stderr.read()[-3000:]}")
+
+
+def test_ctrl_c_saves_and_prints_the_resume_command(dataset, tmp_path):
+    out = str(tmp_path / "out")
+    proc = start_training(dataset, out, "--seed=5")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "Traceback" not in err
+    resume = err.strip().splitlines()[-1].strip()
+    assert resume.startswith("python train.py --n_layer=2") and resume.endswith("--init_from=resume"), err
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    stopped_at = ckpt["iter_num"]
+    assert stopped_at >= 4 and ckpt["evaluated"] is False
+    assert f"stopped by SIGINT at iter {stopped_at}; checkpoint written to {out}/ckpt.pt" in err
+
+    # The printed command continues the run (here in-process, for 2 more iterations) exactly: the same losses
+    # as a run that was never stopped.
+    args = shlex.split(resume)[2:] + [f"--max_iters={stopped_at + 2}"]
+    assert train.main(args)["iter_num"] == stopped_at + 2
+    full = str(tmp_path / "full")
+    train.main(TINY + [f"--dataset={dataset}", f"--out_dir={full}", f"--max_iters={stopped_at + 2}",
+                       "--eval_interval=100000", "--eval_iters=2", "--seed=5"])
+    assert step_losses(read_log(out)) == step_losses(read_log(full))
+
+
+def test_sigterm_stops_the_same_way(dataset, trained, tmp_path, monkeypatch):
+    """SIGTERM (what schedulers and torchrun send) arriving mid-run, in-process: stop, save, exit status 143."""
+    out = copy_run(trained, tmp_path)
+    report = train.report_step
+
+    def report_then_signal(run, *args):
+        report(run, *args)
+        if run.iter_num == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(train, "report_step", report_then_signal)
+    before = signal.getsignal(signal.SIGTERM)
+    resume = r"\n  python train.py --out_dir=.* --max_iters=50 --init_from=resume$"
+    with pytest.raises(errors.Stopped, match=r"stopped by SIGTERM at iter 7; .*" + resume) as e:
+        train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=50"])
+    assert e.value.exit_status == 128 + signal.SIGTERM
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 7
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_second_ctrl_c_quits_at_once_and_keeps_the_checkpoint(dataset, trained, tmp_path, monkeypatch, capsys):
+    """The first Ctrl-C asks for a save; a second one arriving while that checkpoint is being written quits at
+    once, and the checkpoint before it is untouched."""
+    out = copy_run(trained, tmp_path)
+    path = os.path.join(out, "ckpt.pt")
+    report, real_save, saves = train.report_step, torch.save, []
+
+    def report_then_ctrl_c(run, *args):
+        report(run, *args)
+        if run.iter_num == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def slow_save(obj, f, *args, **kwargs):
+        saves.append(obj["iter_num"])
+        f.write(b"PK\x03\x04 the first bytes")
+        os.kill(os.getpid(), signal.SIGINT)  # the impatient second Ctrl-C
+        time.sleep(5)  # never reached in full: the handler raises as soon as the signal is seen
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(train, "report_step", report_then_ctrl_c)
+    monkeypatch.setattr(train.torch, "save", slow_save)
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=50", "--eval_interval=1000"])
+    assert time.perf_counter() - t0 < 4
+    assert saves == [7]  # the stop's save (after iter 5's Ctrl-C, at the end of step 6) was the one cut short
+    assert "SIGINT: stopping after this step" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True)["iter_num"] == 4  # the checkpoint from before the run
+    assert not [f for f in os.listdir(out) if ".tmp" in f]
+
+
+def test_second_ctrl_c_in_a_real_process(dataset, trained, tmp_path):
+    """SIGINT, then SIGINT again while the process is busy in a long eval: it exits at once (status 130) without
+    the resume message, and the last checkpoint is whole."""
+    out = copy_run(trained, tmp_path)
+    # resumed at 4; the eval due at iter 6 is slow (many eval batches), and the signals arrive during it
+    cmd = [sys.executable, "train.py", "--init_from=resume", f"--out_dir={out}", "--max_iters=100000",
+           "--eval_interval=6", "--eval_iters=100000", "--log_interval=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    for line in proc.stdout:
+        if line.startswith("iter 5:"):
+            break
+    time.sleep(0.5)  # now in the eval at iter 6
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert time.perf_counter() - t0 < 5
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "stopping after this step" in err and "SIGINT again: quitting now" in err, err
+    assert err.strip().endswith("train.py: interrupted"), err
+    assert "Resume with" not in err and "Traceback" not in err
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 4
+
+
+def test_under_torchrun_a_signal_forwarded_twice_is_one_stop_request():
+    """Ctrl-C under torchrun reaches each process twice (terminal, then torchrun): within the grace period the
+    second is the same request, not the quit-at-once one; without a grace period it quits."""
+    with train.StopOnSignal(master=False, grace=60) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+    assert stop.signum == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt), train.StopOnSignal(master=False) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
