@@ -27,6 +27,7 @@ import contextlib
 import functools
 import glob
 import importlib.util
+import itertools
 import json
 import multiprocessing
 import os
@@ -212,7 +213,7 @@ def _no_column(source, text_column, columns):
     return errors.UsageError(f"--source={source} has no column {text_column!r}; its columns are "
                              f"{', '.join(map(repr, columns))} (pass --text_column=...)")
 
-def _dataset_documents(ds, source, text_column):
+def _dataset_documents(ds, source, text_column, files=()):
     columns = ds.column_names  # None when a stream does not declare its columns up front
     if columns is not None:
         if text_column not in columns:
@@ -228,6 +229,10 @@ def _dataset_documents(ds, source, text_column):
                                             f"{type(doc).__name__} values, not text")
                 yield doc or ""
     except (errors.UsageError, KeyboardInterrupt):
+        raise
+    except UnicodeDecodeError:  # from a .jsonl/.csv: name the file and offset, which `datasets` does not
+        for f in files:
+            collections.deque(_file_pieces(f, CHUNK_CHARS), maxlen=0)  # raises at the first bad byte
         raise
     except Exception as e:  # a damaged file, a dropped connection
         raise errors.RunError(f"--source={source}: reading failed: {type(e).__name__}: {e}") from None
@@ -252,7 +257,7 @@ def open_source(source, text_column="text", hf_config=None, hf_split="train", st
     fmt = formats.pop()
     if fmt != "text":
         ds = _load_dataset(source, files, fmt, None, None, True)
-        return "documents", lambda: _dataset_documents(ds, source, text_column), None
+        return "documents", lambda: _dataset_documents(ds, source, text_column, files), None
     if len(files) == 1:
         return "text", lambda: _file_pieces(files[0], CHUNK_CHARS), 1
     return "documents", lambda: map(_read_text, files), len(files)
@@ -422,14 +427,16 @@ def _ordered_map(fn, batches, num_proc, initargs):
     """fn over batches on num_proc processes, results in order (so the output never depends on num_proc).
     Not Pool.imap: it reads its whole input ahead into a queue. Here at most two batches per process are
     in flight, which keeps memory bounded however fast the source reads."""
-    if num_proc == 1:
+    batches = iter(batches)
+    head = list(itertools.islice(batches, 2))
+    if num_proc == 1 or len(head) < 2:  # a single batch is not worth starting processes for
         _init_worker(*initargs, in_pool=False)
-        yield from map(fn, batches)
+        yield from map(fn, itertools.chain(head, batches))
         return
     # spawn: workers start clean, whatever threads the caller (train.py, torch) already runs
     with multiprocessing.get_context("spawn").Pool(num_proc, _init_worker, initargs) as pool:
         pending = collections.deque()
-        for batch in batches:
+        for batch in itertools.chain(head, batches):
             pending.append(pool.apply_async(fn, (batch,)))
             if len(pending) >= 2 * num_proc:
                 yield pending.popleft().get()
@@ -475,8 +482,8 @@ def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text",
                 chars.update(piece)
         split_at = int(n_chars * (1 - val_fraction))  # the last val_fraction of the text is val
         if split_at == 0 or split_at == n_chars:
-            raise errors.UsageError(f"--source={source} is {'empty' if not n_chars else 'too small'} "
-                                    f"({n_chars} chars) to split into train and val")
+            raise errors.UsageError(f"--source={source} is empty" if not n_chars else
+                                    f"--source={source} is too small ({n_chars} chars) to split into train and val")
         items = _text_items(read(), split_at)
     else:
         if count is not None and count < 2:
@@ -513,6 +520,7 @@ def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text",
         with bar:
             tokens, n_bytes = _tokenize(items, (tmp["train.bin"], tmp["val.bin"]), num_proc,
                                         (vocab, np.dtype(dtype).name, eot), bar)
+            bar.update(counts["empty"])  # skipped documents were read too
         seconds = time.time() - t0
         if kind == "documents":
             if not counts[0] + counts[1]:

@@ -1,18 +1,24 @@
 """Tests for data.py: all offline, CPU only."""
 import hashlib
+import itertools
 import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import tiktoken
 import tiktoken.load
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 import data  # noqa: E402
+import errors  # noqa: E402
 
 SAMPLE = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
           "All:\nSpeak, speak.  It's 3 o'clock;  they'll say   'café'!\n\n\n"
@@ -61,6 +67,27 @@ def read_bins(d):
     return data.load_tokens(d, "train").tolist(), data.load_tokens(d, "val").tolist()
 
 
+def sha256s(d):
+    return {f: hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for f in ("train.bin", "val.bin", "meta.json")}
+
+
+def split_docs(ids, eot=50256):
+    """GPT-2 ids of documents that each end with <|endoftext|> -> the documents' ids."""
+    assert not ids or ids[-1] == eot
+    docs, start = [], 0
+    for i, t in enumerate(ids):
+        if t == eot:
+            docs.append(ids[start:i])
+            start = i + 1
+    return docs
+
+
+def run_data_py(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, cwd=cwd, timeout=120)
+
+
 # --- embedded corpus -----------------------------------------------------------
 
 def test_corpus_looks_like_shakespeare(corpus):
@@ -103,6 +130,11 @@ def test_prepare_shakespeare_char(tmp_path, corpus):
     split = len(train)
     assert decode(val) == corpus[split:] and decode(train[:5000]) == corpus[:5000]
     assert train[-1000:] == encode(corpus[split - 1000:split])
+    # byte for byte what data.py wrote before documents streamed through a pool (checksums taken at d8eb65a)
+    assert sha256s(str(tmp_path)) == {
+        "train.bin": "d66095f3f45cbc89f2adc87902f27fc49655f82cc14fdfd2705db61331815b16",
+        "val.bin": "99144fb619db991809bafed0c131347f7877bbb777f85f5db292ff6022b73b24",
+        "meta.json": "a0f945f691c40c27088342af78b7a8471f9a8e76224cde3b81ecd744c57bc1de"}
 
 
 def test_char_tokenizer_rejects_unknown_char():
@@ -139,6 +171,10 @@ def test_prepare_shakespeare_gpt2(tmp_path, corpus, offline_gpt2):
     encode, decode = data.get_tokenizer(meta)
     assert decode(train) + decode(val) == corpus
     assert 1_000_000 < len(train) + len(val) < len(corpus) / 2
+    assert sha256s(str(tmp_path)) == {  # unchanged since d8eb65a: a single text gets no <|endoftext|>
+        "train.bin": "b61bec84ab310cdc6950400f8b12ae6ff677532119e1ffbc22d5d381283fe4f1",
+        "val.bin": "17fa13a204024c7ba1fdde0e1928080d400ba883864ff57cbc24bd6d70f60cc7",
+        "meta.json": "c942115e9136b5ab3a2d0557c45916d3402e44716e29e9684fa3fd2b6afcb51c"}
 
 
 def test_prepare_directory_and_glob(tmp_path):
@@ -150,19 +186,25 @@ def test_prepare_directory_and_glob(tmp_path):
     m2 = data.prepare(str(tmp_path / "d2"), source=str(tmp_path / "docs" / "*.txt"))
     assert m1["chars"] == m2["chars"] == list("\n ab")
     assert read_bins(str(tmp_path / "d1")) == read_bins(str(tmp_path / "d2"))
-    train, _ = read_bins(str(tmp_path / "d1"))
-    assert train[0] == m1["chars"].index("a")  # files are read in sorted order
-    with pytest.raises(FileNotFoundError, match="nothing_here"):
+    # each file is a document: one of the two is val (at least one always is), the other train
+    assert (m1["train_documents"], m1["val_documents"]) == (1, 1)
+    _, decode = data.get_tokenizer(m1)
+    train, val = read_bins(str(tmp_path / "d1"))
+    assert sorted([decode(train), decode(val)]) == ["aaaa aaaa\n" * 20, "bbbb bbbb\n" * 20]
+    with pytest.raises(errors.UsageError, match="nothing_here"):
         data.prepare(str(tmp_path / "d3"), source=str(tmp_path / "nothing_here"))
 
 
 def test_prepare_validates_arguments(tmp_path):
     src = tmp_path / "t.txt"
     src.write_text("hello world\n" * 10)
-    with pytest.raises(ValueError, match="val_fraction"):
+    with pytest.raises(errors.UsageError, match="--val_fraction=1.0"):
         data.prepare(str(tmp_path / "o"), source=str(src), val_fraction=1.0)
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(errors.UsageError, match="--tokenizer=bytes"):
         data.prepare(str(tmp_path / "o"), source=str(src), tokenizer="bytes")
+    with pytest.raises(errors.UsageError, match="--num_proc=-1"):
+        data.prepare(str(tmp_path / "o"), source=str(src), num_proc=-1)
+    assert not os.path.exists(tmp_path / "o")
 
 
 def test_token_dtype():
@@ -189,25 +231,51 @@ def test_hf_failure_is_clear(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise ConnectionError("Couldn't reach the Hub")
     monkeypatch.setattr(datasets, "load_dataset", fail)
-    with pytest.raises(RuntimeError, match=r"dataset 'someone/stories' could not be loaded \(offline\?\).*reach the Hub"):
+    with pytest.raises(errors.RunError, match=r"--source=hf:someone/stories could not be loaded \(offline\?.*reach the Hub"):
         data.prepare(str(tmp_path), source="hf:someone/stories")
     assert not os.path.exists(tmp_path / "meta.json")
 
 
-def test_hf_source_uses_text_column(tmp_path, monkeypatch):
+def test_hf_source_uses_text_column(tmp_path, monkeypatch, offline_gpt2):
+    """Each row's text is a document ending with <|endoftext|>; empty rows are skipped; exactly
+    round(n * val_fraction) documents are val when the dataset's length is known, a seeded draw of each
+    document when it streams; the split follows the seed."""
     datasets = pytest.importorskip("datasets")
-    rows = {"story": ["once upon a time", "the end"] * 10, "id": list(range(20))}
-    seen = {}
-    def fake_load(name, split):
-        seen.update(name=name, split=split)
-        return datasets.Dataset.from_dict(rows)
+    stories = [f"Story {i}: once upon a time there were {i} cats." for i in range(40)]
+    rows = {"story": stories[:10] + ["", None] + stories[10:], "id": list(range(42))}
+    seen = []
+    def fake_load(name, config=None, split=None, streaming=False):
+        seen.append((name, config, split, streaming))
+        ds = datasets.Dataset.from_dict(rows)
+        return ds.to_iterable_dataset() if streaming else ds
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    meta = data.prepare(str(tmp_path), source="hf:me/tiny", text_column="story", hf_split="validation")
-    assert seen == {"name": "me/tiny", "split": "validation"}
-    text = "\n\n".join(rows["story"])
-    _, decode = data.get_tokenizer(meta)
-    assert decode(sum(read_bins(str(tmp_path)), [])) == text
-    with pytest.raises(ValueError, match="'text'.*story"):
+    enc = data.gpt2_encoding()
+    splits = {}
+    for streaming in (False, True):
+        out = str(tmp_path / f"streaming_{streaming}")
+        meta = data.prepare(out, source="hf:me/tiny", tokenizer="gpt2", text_column="story", hf_config="small",
+                            hf_split="validation", streaming=streaming, val_fraction=0.25, num_proc=1)
+        assert seen[-1] == ("me/tiny", "small", "validation", streaming)
+        train, val = (split_docs(ids) for ids in read_bins(out))
+        assert (meta["train_documents"], meta["val_documents"]) == (len(train), len(val))
+        assert len(train) + len(val) == 40  # the empty and the None row are skipped
+        texts = [enc.decode(d) for d in train + val]
+        assert sorted(texts) == sorted(stories)
+        assert [enc.decode(d) for d in train] == [s for s in stories if s in texts[:len(train)]]  # in order
+        flags = list(itertools.islice(data._val_flags(None if streaming else 42, 0.25, 2357), 42))
+        assert [s for s, f in zip(rows["story"], flags) if f and s] == texts[len(train):]
+        if not streaming:
+            assert sum(flags) == round(42 * 0.25)  # exactly, when the length is known up front
+        splits[streaming] = texts[len(train):]
+    assert 3 <= len(splits[True]) <= 20 and splits[True] != splits[False]  # a draw per streamed document
+    # another seed draws other val documents; the same seed the same ones
+    data.prepare(str(tmp_path / "seed"), source="hf:me/tiny", tokenizer="gpt2", text_column="story",
+                 val_fraction=0.25, num_proc=1, seed=1)
+    assert read_bins(str(tmp_path / "seed")) != read_bins(str(tmp_path / "streaming_False"))
+    data.prepare(str(tmp_path / "again"), source="hf:me/tiny", tokenizer="gpt2", text_column="story",
+                 val_fraction=0.25, num_proc=1, hf_config="small", hf_split="validation")
+    assert sha256s(str(tmp_path / "again")) == sha256s(str(tmp_path / "streaming_False"))
+    with pytest.raises(errors.UsageError, match="no column 'text'; its columns are 'story', 'id'"):
         data.prepare(str(tmp_path / "x"), source="hf:me/tiny")
 
 
@@ -272,17 +340,17 @@ def test_interrupted_re_preparation_never_mixes_old_and_new(tmp_path, monkeypatc
         assert not [f for f in os.listdir(d) if ".tmp" in f]  # no temp file left behind
         return meta["source"]
 
-    real_write, real_replace = data._write_bin, os.replace
-    for crash in ("val.bin", 0, 1, 2):  # during the val.bin write, or at the n-th rename
+    real_tokenize, real_replace = data._tokenize, os.replace
+    for crash in ("val.bin", 0, 1, 2):  # after writing the temp .bin files, or at the n-th rename
         d = os.path.join("data", f"crash_{crash}")
         data.prepare(d, source=str(old_src))
         calls = []
 
-        def write_then_crash(path, *args, **kwargs):
-            if "val.bin" in path and crash == "val.bin":
-                real_write(path, *args, **kwargs)  # most of the file is written, then...
+        def write_then_crash(*args, **kwargs):
+            result = real_tokenize(*args, **kwargs)
+            if crash == "val.bin":  # all tokens written, then...
                 raise KeyboardInterrupt
-            return real_write(path, *args, **kwargs)
+            return result
 
         def replace_then_crash(src, dst):
             calls.append(dst)
@@ -291,7 +359,7 @@ def test_interrupted_re_preparation_never_mixes_old_and_new(tmp_path, monkeypatc
             return real_replace(src, dst)
 
         with monkeypatch.context() as m:
-            m.setattr(data, "_write_bin", write_then_crash)
+            m.setattr(data, "_tokenize", write_then_crash)
             m.setattr(data.os, "replace", replace_then_crash)
             with pytest.raises((KeyboardInterrupt, OSError)):
                 data.prepare(d, source=str(new_src))
