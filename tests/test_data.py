@@ -5,6 +5,8 @@ import json
 import os
 import re
 import shutil
+import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -514,7 +516,8 @@ def test_cli_errors(tmp_path, case):
     (tmp_path / "bin.txt").write_bytes(b"abc\xad\x00\xff")
     (tmp_path / "rows.jsonl").write_text('{"body": "x y z"}\n{"body": "a b c"}\n')
     (tmp_path / "one").mkdir()
-    (tmp_path / "one" / "a.jsonl").write_text('{"text": "just one document"}\n')
+    (tmp_path / "one" / "a.txt").write_text("just one document")
+    (tmp_path / "one" / "b.txt").write_text("\n")
     args, status, message = {
         "empty": ("--source=empty.txt", 2, "data.py: error: --source=empty.txt is empty"),
         "binary": ("--source=bin.txt", 2, "data.py: error: bin.txt: not UTF-8 text (byte 0xad at offset 3)"),
@@ -522,7 +525,7 @@ def test_cli_errors(tmp_path, case):
         "hf_offline": ("--source=hf:no/such", 1, "data.py: error: --source=hf:no/such could not be loaded (offline?"),
         "column": ("--source=rows.jsonl", 2, "data.py: error: --source=rows.jsonl has no column 'text'; its "
                                             "columns are 'body' (pass --text_column=...)"),
-        "one_doc": ("--source=one", 2, "data.py: error: --source=one has 1 non-empty document(s) (0 empty): at "
+        "one_doc": ("--source=one", 2, "data.py: error: --source=one has 1 non-empty document(s) (1 empty): at "
                                        "least 2 are needed, one for train and one for val"),
     }[case]
     r = run_data_py(args, "--out_dir=out", env={"HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
@@ -557,13 +560,35 @@ def test_cli_ctrl_c_keeps_previous_dataset(tmp_path):
                           "--tokenizer=gpt2", "--num_proc=2"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     deadline = time.time() + 60
-    while not any(".tmp" in f for f in os.listdir(tmp_path / "out")):  # tokenizing has begun
+    def tokens_written():  # a temp .bin has grown: workers are tokenizing
+        sizes = [os.stat(e).st_size for e in os.scandir(tmp_path / "out") if ".tmp" in e.name]
+        return any(sizes)
+    while not tokens_written():
         assert p.poll() is None and time.time() < deadline, p.stderr.read()
         time.sleep(0.01)
-    time.sleep(0.5)
     os.killpg(p.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to the workers too
     stderr = p.communicate(timeout=60)[1]
     assert p.returncode == 130 and stderr.rstrip().endswith("data.py: interrupted"), stderr
     assert "Traceback" not in stderr, stderr
     assert sha256s(str(tmp_path / "out")) == before
     assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_fineweb_config_data_command(monkeypatch):
+    """The data command in configs/gpt2_124m_fineweb.py's header is valid for data.py and writes the dataset
+    the config trains on; a step is 524,288 tokens and the run one pass over ~10B tokens."""
+    path = os.path.join(ROOT, "configs", "gpt2_124m_fineweb.py")
+    lines = [line.lstrip("# ").rstrip() for line in open(path) if line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("python data.py"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].endswith("\\"))
+    command = shlex.split(" ".join(line.rstrip("\\") for line in lines[start:end + 1]))
+    seen = {}
+    monkeypatch.setattr(data, "prepare", lambda out_dir, **kwargs: seen.update(out_dir=out_dir, **kwargs))
+    data.main(command[2:])
+    cfg = runpy.run_path(path)
+    assert seen["out_dir"] == os.path.join(cfg.get("data_root", "data"), cfg["dataset"])
+    assert (seen["source"], seen["hf_config"], seen["streaming"], seen["tokenizer"]) == (
+        "hf:HuggingFaceFW/fineweb-edu", "sample-10BT", True, "gpt2")
+    tokens_per_step = cfg["batch_size"] * cfg["block_size"] * cfg["gradient_accumulation_steps"]
+    assert tokens_per_step == 524_288 and cfg["gradient_accumulation_steps"] % 8 == 0
+    assert 9.9e9 < tokens_per_step * cfg["max_iters"] < 1.01e10
