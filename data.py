@@ -229,7 +229,7 @@ def _dataset_documents(ds, source, text_column, files=()):
                     raise errors.UsageError(f"--text_column={text_column} of --source={source} holds "
                                             f"{type(doc).__name__} values, not text")
                 yield doc or ""
-    except (errors.UsageError, KeyboardInterrupt):
+    except errors.UsageError:
         raise
     except UnicodeDecodeError:  # from a .jsonl/.csv: name the file and offset, which `datasets` does not
         for f in files:
@@ -426,7 +426,8 @@ def _encode_batch(batch):
     for split, text in batch:
         ids[split].append(_encode(text))
     ids = [np.concatenate(part) if part else np.empty(0, _worker["dtype"]) for part in ids]
-    return ids, len(batch), sum(len(t) for _, t in batch), sum(len(t.encode("utf-8", "surrogatepass")) for _, t in batch)
+    n_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for _, text in batch)
+    return ids, len(batch), sum(len(text) for _, text in batch), n_bytes
 
 def _chars_of(batch):
     return set().union(*(text for _, text in batch))
@@ -495,8 +496,8 @@ def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text",
                 chars.update(piece)
         split_at = int(n_chars * (1 - val_fraction))  # the last val_fraction of the text is val
         if split_at == 0 or split_at == n_chars:
-            raise errors.UsageError(f"--source={source} is empty" if not n_chars else
-                                    f"--source={source} is too small ({n_chars} chars) to split into train and val")
+            size = "empty" if not n_chars else f"too small ({n_chars} chars) to split into train and val"
+            raise errors.UsageError(f"--source={source} is {size}")
         items = _text_items(read(), split_at)
     else:
         if tokenizer == "char":  # first pass: the alphabet, plus the newline that joins documents
@@ -549,10 +550,13 @@ def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text",
         for path in tmp.values():  # left over only after a failure
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-    docs = f"{counts[0] + counts[1]:,} documents ({counts['empty']:,} empty skipped), " if kind == "documents" else ""
-    print(f"{source}: {docs}{n_bytes / 1e6:,.1f} MB, {tokenizer} vocab {meta['vocab_size']:,}, "
+    what = f"{n_bytes / 1e6:,.1f} MB"
+    if kind == "documents":
+        what += f" in {counts[0] + counts[1]:,} documents ({counts['empty']:,} empty ones skipped)"
+    print(f"{source}: {what}, {tokenizer} vocab {meta['vocab_size']:,}, "
           f"train {tokens[0]:,} / val {tokens[1]:,} tokens -> {out_dir}")
-    print(f"tokenized at {n_bytes / 1e6 / max(seconds, 1e-9):,.1f} MB/s ({seconds:.1f} s, {num_proc} processes)")
+    mb_per_s = n_bytes / 1e6 / max(seconds, 1e-9)
+    print(f"tokenized at {mb_per_s:,.1f} MB/s ({seconds:.1f} s, --num_proc={num_proc})")
     return meta
 
 # -----------------------------------------------------------------------------
@@ -603,7 +607,8 @@ def main(argv=None):
     p.add_argument("--hf_split", default="train")
     p.add_argument("--streaming", action="store_true",
                    help="stream an hf: dataset instead of downloading it into the datasets cache first")
-    p.add_argument("--val_fraction", type=float, default=0.1, help="of the documents (of the text, for one text)")
+    p.add_argument("--val_fraction", type=float, default=0.1,
+                   help="of the documents (of the text, for a single text)")
     p.add_argument("--seed", type=int, default=2357, help="draws the val documents")
     p.add_argument("--num_proc", type=int, default=None, help="tokenizing processes (default: all cores)")
     args = p.parse_args(argv)
@@ -619,7 +624,8 @@ def main(argv=None):
         kwargs = dict(source=args.source, tokenizer=args.tokenizer, text_column=args.text_column,
                       hf_config=args.hf_config, hf_split=args.hf_split, streaming=args.streaming)
     try:
-        return prepare(out_dir, val_fraction=args.val_fraction, num_proc=args.num_proc, seed=args.seed, **kwargs)
+        return prepare(out_dir, val_fraction=args.val_fraction, num_proc=args.num_proc, seed=args.seed,
+                       **kwargs)
     except OSError as e:  # disk full, permissions...: the previous dataset in out_dir is left whole
         raise errors.RunError(f"preparing {out_dir} failed: {e}") from None
 

@@ -550,8 +550,8 @@ def test_cli_failure_mid_run_keeps_previous_dataset(tmp_path):
 
 
 def test_cli_ctrl_c_keeps_previous_dataset(tmp_path):
-    """Ctrl-C (SIGINT to the process group) while two processes tokenize: data.py stops with one line and status 130, the previous
-    dataset is untouched, and no temp file is left."""
+    """Ctrl-C (SIGINT to the process group) while two processes tokenize: data.py stops with one line and
+    status 130, the previous dataset is untouched, and no temp file is left."""
     write_docs(tmp_path / "docs", 2)
     assert run_data_py("--source=docs", "--out_dir=out", cwd=tmp_path).returncode == 0
     before = sha256s(str(tmp_path / "out"))
