@@ -623,6 +623,11 @@ def main(argv=None):
     else:
         if not args.out_dir:
             p.error("--source needs --out_dir")
+        hf_only = [f"--{k}" for k in ("hf_config", "streaming") if getattr(args, k)]
+        if args.hf_split != "train":
+            hf_only.append("--hf_split")
+        if hf_only and not args.source.startswith("hf:"):
+            p.error(f"{', '.join(hf_only)} only apply to hf: sources, not --source={args.source}")
         out_dir = args.out_dir
         kwargs = dict(source=args.source, tokenizer=args.tokenizer, text_column=args.text_column,
                       hf_config=args.hf_config, hf_split=args.hf_split, streaming=args.streaming)

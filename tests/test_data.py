@@ -389,6 +389,8 @@ def test_cli(tmp_path):
     assert (meta["train_tokens"], meta["val_tokens"]) == (960, 240)
     with pytest.raises(SystemExit):
         data.main(["--tokenizer=char"])  # neither --dataset nor --source
+    r = run_data_py(f"--source={src}", "--hf_config=x", "--streaming", f"--out_dir={tmp_path / 'p'}")
+    assert r.returncode == 2 and "--hf_config, --streaming only apply to hf: sources" in r.stderr, r.stderr
 
 
 # --- corpora of documents ---------------------------------------------------------------
@@ -528,7 +530,8 @@ def test_cli_errors(tmp_path, case):
         "one_doc": ("--source=one", 2, "data.py: error: --source=one has 1 non-empty document(s) (1 empty): at "
                                        "least 2 are needed, one for train and one for val"),
     }[case]
-    r = run_data_py(args, "--out_dir=out", env={"HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
+    # USE_TORCH=0: `datasets` would otherwise import torch (seconds), which reading text never needs
+    r = run_data_py(args, "--out_dir=out", env={"HF_HUB_OFFLINE": "1", "USE_TORCH": "0"}, cwd=tmp_path)
     assert r.returncode == status, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "out" / "meta.json").exists()
@@ -555,7 +558,7 @@ def test_cli_ctrl_c_keeps_previous_dataset(tmp_path):
     write_docs(tmp_path / "docs", 2)
     assert run_data_py("--source=docs", "--out_dir=out", cwd=tmp_path).returncode == 0
     before = sha256s(str(tmp_path / "out"))
-    write_docs(tmp_path / "big", 3000, words=1000)  # ~15 MB of GPT-2 work: seconds on any CPU
+    write_docs(tmp_path / "big", 2000, words=1000)  # ~10 MB of GPT-2 work: seconds on any CPU
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "data.py"), "--source=big", "--out_dir=out",
                           "--tokenizer=gpt2", "--num_proc=2"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
