@@ -51,6 +51,8 @@ DATASETS = {
 }
 CHUNK_CHARS = 1 << 20  # a single text is read and tokenized in ~1M-char pieces
 BATCH_CHARS = 1 << 20  # documents go to the tokenizing processes in batches of ~1M chars
+# fork where there is one: workers start at once, with nothing sent to them that Ctrl-C could cut off
+START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # via `datasets`
 GPT2_DOWNLOAD_TIMEOUT = 3.0  # seconds to wait for tiktoken's own download
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -445,9 +447,7 @@ def _ordered_map(fn, batches, num_proc, initargs):
         _init_worker(*initargs, in_pool=False)
         yield from map(fn, itertools.chain(head, batches))
         return
-    # fork where there is one: workers start at once, with nothing sent to them that Ctrl-C could cut off
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = concurrent.futures.ProcessPoolExecutor(num_proc, multiprocessing.get_context(method),
+    pool = concurrent.futures.ProcessPoolExecutor(num_proc, multiprocessing.get_context(START_METHOD),
                                                   _init_worker, initargs)
     try:
         pending = collections.deque()

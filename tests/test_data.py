@@ -270,6 +270,13 @@ def test_hf_source_uses_text_column(tmp_path, monkeypatch, offline_gpt2):
             assert sum(flags) == round(42 * 0.25)  # exactly, when the length is known up front
         splits[streaming] = texts[len(train):]
     assert 3 <= len(splits[True]) <= 20 and splits[True] != splits[False]  # a draw per streamed document
+    # a char vocabulary reads the stream twice (alphabet, then ids); the same documents are val
+    meta = data.prepare(str(tmp_path / "char"), source="hf:me/tiny", text_column="story", streaming=True,
+                        val_fraction=0.25, num_proc=1)
+    _, decode = data.get_tokenizer(meta)
+    train, val = read_bins(str(tmp_path / "char"))
+    assert decode(val) == "\n\n".join(splits[True])
+    assert decode(train) == "\n\n".join(s for s in stories if s not in splits[True])
     # another seed draws other val documents; the same seed the same ones
     data.prepare(str(tmp_path / "seed"), source="hf:me/tiny", tokenizer="gpt2", text_column="story",
                  val_fraction=0.25, num_proc=1, seed=1)
@@ -410,13 +417,15 @@ def write_docs(folder, n, seed=0, words=30):
     return texts
 
 
-@pytest.mark.parametrize("tokenizer", ["gpt2", "char"])
-def test_documents_same_files_whatever_num_proc(tmp_path, monkeypatch, offline_gpt2, tokenizer):
+@pytest.mark.parametrize("tokenizer,start_method", [("gpt2", None), ("char", None), ("gpt2", "spawn")])
+def test_documents_same_files_whatever_num_proc(tmp_path, monkeypatch, offline_gpt2, tokenizer, start_method):
     """Documents in many small batches, tokenized by 1 or 2 processes: the same bytes. Each non-empty file
     is a document (GPT-2: ending with <|endoftext|>; char: documents of a split joined by a blank line),
     in sorted order; empty and blank files are skipped."""
     texts = write_docs(tmp_path / "docs", 60)
     monkeypatch.setattr(data, "BATCH_CHARS", 200)  # ~1-2 documents a batch: many batches in flight
+    if start_method:  # spawn is what macOS and Windows get
+        monkeypatch.setattr(data, "START_METHOD", start_method)
     outs = [str(tmp_path / f"out{n}") for n in (1, 2)]
     metas = [data.prepare(out, source=str(tmp_path / "docs"), tokenizer=tokenizer, num_proc=n)
              for out, n in zip(outs, (1, 2))]
@@ -508,6 +517,9 @@ def test_data_files_through_datasets(tmp_path, offline_gpt2):
         data.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows*.parquet"), num_proc=1)
     with pytest.raises(errors.UsageError, match="mixes kinds of files"):
         data.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows0.*"), num_proc=1)
+    (tmp_path / "bad.jsonl").write_bytes(b'{"body": "ok"}\n{"body": "caf\xe9"}\n')  # latin-1
+    with pytest.raises(errors.UsageError, match=r"bad\.jsonl: not UTF-8 text \(byte 0xe9 at offset 28\)"):
+        data.prepare(str(tmp_path / "x"), source=str(tmp_path / "bad.jsonl"), text_column="body", num_proc=1)
 
 
 # --- data.py as a command: expected failures are one line and an exit status ------------------
