@@ -634,7 +634,7 @@ def main(argv=None):
     try:
         return prepare(out_dir, val_fraction=args.val_fraction, num_proc=args.num_proc, seed=args.seed,
                        **kwargs)
-    except concurrent.futures.process.BrokenProcessPool:  # a worker was killed, most likely for memory
+    except concurrent.futures.BrokenExecutor:  # a worker process was killed, most likely for memory
         raise errors.RunError(f"preparing {out_dir} failed: a tokenizing process died (out of memory?); "
                               f"try a smaller --num_proc") from None
     except OSError as e:  # disk full, permissions...: the previous dataset in out_dir is left whole
