@@ -524,9 +524,10 @@ def test_data_files_through_datasets(tmp_path, offline_gpt2):
 
 # --- data.py as a command: expected failures are one line and an exit status ------------------
 
-@pytest.mark.parametrize("case", ["empty", "binary", "no_dir", "hf_offline", "column", "one_doc"])
+@pytest.mark.parametrize("case", ["empty", "tiny", "binary", "no_dir", "hf_offline", "column", "one_doc"])
 def test_cli_errors(tmp_path, case):
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "tiny.txt").write_text("x")
     (tmp_path / "bin.txt").write_bytes(b"abc\xad\x00\xff")
     (tmp_path / "rows.jsonl").write_text('{"body": "x y z"}\n{"body": "a b c"}\n')
     (tmp_path / "one").mkdir()
@@ -534,6 +535,8 @@ def test_cli_errors(tmp_path, case):
     (tmp_path / "one" / "b.txt").write_text("\n")
     args, status, message = {
         "empty": ("--source=empty.txt", 2, "data.py: error: --source=empty.txt is empty"),
+        "tiny": ("--source=tiny.txt", 2, "data.py: error: --source=tiny.txt is too small (1 chars) to split into "
+                                         "train and val"),
         "binary": ("--source=bin.txt", 2, "data.py: error: bin.txt: not UTF-8 text (byte 0xad at offset 3)"),
         "no_dir": ("--source=no/such/dir", 2, "data.py: error: --source=no/such/dir: no such file or directory"),
         "hf_offline": ("--source=hf:no/such", 1, "data.py: error: --source=hf:no/such could not be loaded (offline?"),
@@ -555,6 +558,8 @@ def test_cli_failure_mid_run_keeps_previous_dataset(tmp_path):
     write_docs(tmp_path / "docs", 40)
     r = run_data_py("--source=docs", "--out_dir=out", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert re.search(r"tokenized at [\d.]+ MB/s \([\d.]+ s, --num_proc=\d+\)", r.stdout), r.stdout
+    assert re.search(r"tokenizing: 100%.* 42.0/42.0 .*doc/s, [\d,]+ tokens\]", r.stderr), r.stderr  # 40 + 2 empty
     before = sha256s(str(tmp_path / "out"))
     (tmp_path / "docs" / "zz_latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
     r = run_data_py("--source=docs", "--out_dir=out", "--num_proc=2", cwd=tmp_path)
@@ -634,3 +639,15 @@ def test_a_killed_worker_is_one_clear_error(tmp_path, monkeypatch, capsys):
 
 def _killed(batch):  # runs in a worker process
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_data_files_without_datasets_say_what_to_install(tmp_path, monkeypatch):
+    """Only data files and hf: need `datasets`: without it they say what to install, and .txt works."""
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    write_docs(tmp_path / "docs", 10)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: importing it fails
+    with pytest.raises(errors.UsageError, match=r"rows\.jsonl is read through the `datasets` package, which is "
+                                                r"not installed: pip install datasets"):
+        data.prepare(str(tmp_path / "o"), source=str(tmp_path / "rows.jsonl"))
+    meta = data.prepare(str(tmp_path / "o"), source=str(tmp_path / "docs"), num_proc=1)
+    assert meta["train_documents"] + meta["val_documents"] == 10
