@@ -13,7 +13,8 @@ from fused_ops.layernorm import layernorm_backward
 from fused_ops.linear_act import ln_linear_act_forward
 from fused_ops.mlp import FusedMLPFunction, fused_mlp
 from model import GATED_ACTIVATIONS, GPT, GPTConfig
-from numerics import assert_no_worse_than_eager, check_saved, eager_act, poisoned, rel_err
+from numerics import (assert_no_worse_than_eager, check_ln_mlp_16bit, check_saved, eager_act, eager_ln_mlp,
+                      poisoned, rel_err)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -92,11 +93,6 @@ def test_layernorm_backward(dtype, affine):
     assert (dg, db) == (None, None) or affine
 
 
-def _eager_ln_mlp(x, w_fc, b_fc, w_proj, b_proj, g, beta, act):
-    h = eager_act(act, F.linear(F.layer_norm(x, (x.shape[-1],), g, beta, EPS), w_fc, b_fc))
-    return F.linear(h, w_proj, b_proj)
-
-
 @pytest.mark.parametrize("act", ["gelu", "relu2", "swiglu", "sigmoid_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
@@ -116,8 +112,8 @@ def test_fused_mlp_with_layernorm_output_and_all_gradients(act, dtype, bias, mea
         return [y] + [t.grad for t in leaves if t is not None]
 
     fused = run(lambda x, w1, b1, w2, b2, gg, bb: fused_mlp(x, w1, b1, w2, b2, act, gg, bb, EPS), tensors, grad_y)
-    eager = run(lambda *t: _eager_ln_mlp(*t, act), tensors, grad_y)
-    ref = run(lambda *t: _eager_ln_mlp(*t, act), [t.double() if t is not None else None for t in tensors], grad_y.double())
+    eager = run(lambda *t: eager_ln_mlp(*t, act), tensors, grad_y)
+    ref = run(lambda *t: eager_ln_mlp(*t, act), [t.double() if t is not None else None for t in tensors], grad_y.double())
     names = ["y", "grad_x", "grad_w_fc"] + (["grad_b_fc"] if bias else []) + ["grad_w_proj"] + \
         (["grad_b_proj"] if bias else []) + ["grad_ln_weight"] + (["grad_ln_bias"] if bias else [])
     assert len(fused) == len(names)
@@ -187,29 +183,6 @@ def _ln_mlp_tensors(act, C, H, mean, dtype=torch.float32, shape=(3, 7), bias=Tru
             make((C, H), dtype, H ** -0.5), make((C,), dtype) if bias else None, g, beta]
 
 
-def check_ln_mlp_16bit(act, tensors, half, autocast, grad_y, what=""):
-    """fused_mlp with the LayerNorm folded against the same-dtype eager LN + MLP and float64, output and
-    the gradients of x, W1, b1, W2, b2, γ, β, under autocast to `half` or (autocast False) as given."""
-    def run(fn, ts, gy, enabled):
-        leaves = [t.detach().requires_grad_() if t is not None else None for t in ts]
-        with torch.autocast(DEVICE, dtype=half, enabled=enabled):
-            y = fn(*leaves)
-        y.backward(gy.to(y.dtype))
-        return [y] + [t.grad for t in leaves if t is not None]
-
-    fused = run(lambda x, w1, b1, w2, b2, gg, bb: fused_mlp(x, w1, b1, w2, b2, act, gg, bb, EPS), tensors, grad_y, autocast)
-    eager = run(lambda *t: _eager_ln_mlp(*t, act), tensors, grad_y, autocast)
-    ref = run(lambda *t: _eager_ln_mlp(*t, act), [t.double() if t is not None else None for t in tensors],
-              grad_y.double(), False)
-    bias = tensors[2] is not None
-    names = ["y", "grad_x", "grad_w_fc"] + (["grad_b_fc"] if bias else []) + ["grad_w_proj"] + \
-        (["grad_b_proj"] if bias else []) + ["grad_ln_weight"] + (["grad_ln_bias"] if bias else [])
-    assert len(fused) == len(names)
-    for name, f, e, r in zip(names, fused, eager, ref):
-        assert f.shape == r.shape and f.dtype == e.dtype, name
-        assert_no_worse_than_eager(f, e, r, f"{act} {what} {name}", compute_dtype=half)
-
-
 @pytest.mark.parametrize("half", HALF)
 @pytest.mark.parametrize("act,mode,mean", LARGE_MEAN_CASES)
 def test_large_mean_rows_in_16_bit(act, mode, mean, half):
@@ -219,15 +192,33 @@ def test_large_mean_rows_in_16_bit(act, mode, mean, half):
     check_ln_mlp_16bit(act, tensors, half, autocast, make((3, 7, C), torch.float32), f"{half} {mode} mean {mean}")
 
 
+def strided_x(layout, shape, C, mean):
+    """x of (*shape, C) read through strides: every other column of a wider tensor, a slice of one, or one
+    row expanded over all rows (stride 0). Under autocast the kernels read this fp32 x as it is."""
+    if layout == "strided":
+        return make((*shape, 2 * C), torch.float32, 1.0, mean)[..., ::2]
+    if layout == "sliced":
+        return make((*shape, C + 5), torch.float32, 1.0, mean)[..., 3:3 + C]
+    return make((C,), torch.float32, 1.0, mean).expand(*shape, C)
+
+
+@pytest.mark.parametrize("layout", ["strided", "sliced", "expanded"])
+def test_large_mean_strided_inputs_under_autocast(layout):
+    C, H, act = 40, 64, "swiglu"
+    tensors = _ln_mlp_tensors(act, C, H, 0.0)
+    tensors[0] = strided_x(layout, (3, 7), C, 1000.0)
+    check_ln_mlp_16bit(act, tensors, torch.float16, True, make((3, 7, C), torch.float32), layout)
+
+
 def test_rounding_x_before_the_layernorm_is_what_fails():
     """The test above can fail: the same check on eager LayerNorm + MLP fed x rounded to fp16 first (what
     the fold once did under autocast) is far outside the rule."""
     C, H = 48, 64
     x, w1, b1, w2, b2, g, beta = _ln_mlp_tensors("gelu", C, H, 1000.0)
     with torch.autocast(DEVICE, dtype=torch.float16):
-        eager = _eager_ln_mlp(x, w1, b1, w2, b2, g, beta, "gelu")
-        rounded_first = _eager_ln_mlp(x.half().float(), w1, b1, w2, b2, g, beta, "gelu")
-    ref = _eager_ln_mlp(*(t.double() for t in (x, w1, b1, w2, b2, g, beta)), "gelu")
+        eager = eager_ln_mlp(x, w1, b1, w2, b2, g, beta, "gelu")
+        rounded_first = eager_ln_mlp(x.half().float(), w1, b1, w2, b2, g, beta, "gelu")
+    ref = eager_ln_mlp(*(t.double() for t in (x, w1, b1, w2, b2, g, beta)), "gelu")
     with pytest.raises(AssertionError, match="fused error"):
         assert_no_worse_than_eager(rounded_first, eager, ref, "x rounded first", compute_dtype=torch.float16)
 
@@ -248,7 +239,7 @@ def test_nan_and_inf_reach_output_and_gradients_like_eager(act, special):
         return [y] + [t.grad for t in leaves]
 
     fused = run(lambda x, w1, b1, w2, b2, gg, bb: fused_mlp(x, w1, b1, w2, b2, act, gg, bb, EPS), tensors)
-    eager = run(lambda *t: _eager_ln_mlp(*t, act), tensors)
+    eager = run(lambda *t: eager_ln_mlp(*t, act), tensors)
     assert eager[0][2].isnan().all()
     for name, f, e in zip(["y", "x", "w_fc", "b_fc", "w_proj", "b_proj", "ln_weight", "ln_bias"], fused, eager):
         assert torch.equal(f.isnan(), e.isnan()) and torch.equal(f.isinf(), e.isinf()), f"{act} {special} {name}"
