@@ -101,8 +101,9 @@ NEG_HALF_LOG2E = tl.constexpr(-0.7213475204444817)  # exp(-x²/2) = exp2(x² · 
 @triton.jit
 def gelu_and_grad_16bit(x):
     """(GELU(x), GELU'(x)) = (x·Φ(x), Φ(x) + x·φ(x)) for 16-bit outputs: one reciprocal square root,
-    one exp2 and 18 other instructions an element (sm_90 SASS). libdevice's erf takes far more: in the
-    ping-pong kernel (pingpong.py) it once added 85 us to a 114 us forward (H100, 12288x3072x768).
+    one exp2 and 18 other instructions an element (sm_90 SASS), where libdevice's erf takes several times
+    as many and made the ping-pong kernel's epilogue, not its MMAs, the bottleneck (notes/perf.md).
+    NaN gives NaN, +inf gives (inf, NaN) and -inf (NaN, NaN), as PyTorch's erf-based GELU does.
     Φ(-|x|) = φ(x)·√(2π)·t·S(t) (see GELU_CDF_T) is within ~1e-5 of Φ, relative, in both tails: far
     under the 3.9e-3 (bf16) and 4.9e-4 (fp16) of the outputs it is used for, not under fp32's."""
     # t = 1/d as rsqrt(d²): one MUFU.RSQ and a multiply, where a division (even tl.fdiv's approximate
