@@ -145,6 +145,19 @@ def test_bad_layernorm_arguments_are_named():
         GPTConfig(mlp="eager", fuse_ln=True)
 
 
+def test_mixed_dtypes_only_as_autocast_passes_them():
+    """With the LayerNorm folded, x may be fp32 beside 16-bit weights (LayerNorm's input under autocast);
+    any other mix is named in the error."""
+    x, w_fc, w_proj = make((4, 8), torch.float32), make((32, 8), torch.float16), make((8, 32), torch.float16)
+    assert fused_mlp(x, w_fc, None, w_proj, None, "gelu", None, None, EPS).dtype == torch.float16
+    with pytest.raises(TypeError, match="w_proj has dtype torch.bfloat16 but w_fc has torch.float16"):
+        fused_mlp(x, w_fc, None, w_proj.bfloat16(), None, "gelu", None, None, EPS)
+    with pytest.raises(TypeError, match="w_fc has dtype torch.float16 but x has torch.float32"):
+        fused_mlp(x, w_fc, None, w_proj, None, "gelu")  # no LayerNorm: one dtype for all
+    with pytest.raises(TypeError, match="w_fc has dtype torch.float16 but x has torch.float64"):
+        fused_mlp(x.double(), w_fc, None, w_proj, None, "gelu", None, None, EPS)
+
+
 def test_fuse_ln_checkpoints_load_either_way():
     cfg = dict(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16)
     folded = GPT(GPTConfig(mlp="fused", fuse_ln=True, **cfg))
@@ -243,3 +256,22 @@ def test_nan_and_inf_reach_output_and_gradients_like_eager(act, special):
     assert eager[0][2].isnan().all()
     for name, f, e in zip(["y", "x", "w_fc", "b_fc", "w_proj", "b_proj", "ln_weight", "ln_bias"], fused, eager):
         assert torch.equal(f.isnan(), e.isnan()) and torch.equal(f.isinf(), e.isinf()), f"{act} {special} {name}"
+
+
+def test_fold_compiles_under_autocast():
+    """Under autocast the folded op gets an fp32 x beside 16-bit weights: its fake implementation must give
+    the outputs the weights' dtype (and the backward's recomputed LayerNorm grad_ln's), as the kernels do."""
+    tensors = [t.requires_grad_() if t is not None else None for t in _ln_mlp_tensors("gelu", 32, 64, 100.0)]
+
+    def fn(x, w1, b1, w2, b2, g, beta):
+        with torch.autocast(DEVICE, dtype=torch.float16):
+            return fused_mlp(x, w1, b1, w2, b2, "gelu", g, beta, EPS)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for f in (compiled, fn):
+        y = f(*tensors)
+        grads = torch.autograd.grad(y.float().square().sum(), tensors)
+        results.append([y] + list(grads))
+    for c, e in zip(*results):
+        assert c.dtype == e.dtype and torch.equal(c, e)
