@@ -13,10 +13,10 @@ reads exactly as many values as it would read of z.
 LayerNorm fold (ln_linear_act_forward): act(LN(x) @ W.T + b) from the raw x, without writing LN(x).
 A small row kernel first computes each row's mean and 1/std (layernorm.layernorm_stats, once per row);
 the matmul then normalizes every A tile as it loads it, (x - mean)·rstd·γ + β in fp32, and rounds only
-that to the weight's dtype: the same values eager LayerNorm then Linear would multiply. (Folding γ and β
-into W and subtracting mean·colsum(W) after the matmul instead multiplies the raw x, which under
-autocast is rounded to 16 bits with its mean, and cancels catastrophically when the mean is large
-against the spread.) The statistics are also what backward needs.
+that to the weight's dtype: the values eager LayerNorm then Linear multiply. x itself is never rounded
+(under autocast it stays fp32): in 16 bits, a row whose mean is large against its spread keeps little
+more than the mean's digits. Normalizing before the dot, rather than folding γ, β into W and
+subtracting mean·colsum(W) from its result, also leaves no cancellation after the fact.
 """
 
 import torch

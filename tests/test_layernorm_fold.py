@@ -156,6 +156,9 @@ def test_mixed_dtypes_only_as_autocast_passes_them():
         fused_mlp(x, w_fc, None, w_proj, None, "gelu")  # no LayerNorm: one dtype for all
     with pytest.raises(TypeError, match="w_fc has dtype torch.float16 but x has torch.float64"):
         fused_mlp(x.double(), w_fc, None, w_proj, None, "gelu", None, None, EPS)
+    with torch.autocast(DEVICE, dtype=torch.float16):  # a bf16 x goes to fp32, as autocast's LayerNorm takes it
+        y = fused_mlp(x.bfloat16(), w_fc.float(), None, w_proj.float(), None, "gelu", None, None, EPS)
+    assert torch.equal(y, fused_mlp(x.bfloat16().float(), w_fc, None, w_proj, None, "gelu", None, None, EPS))
 
 
 def test_fuse_ln_checkpoints_load_either_way():
