@@ -155,6 +155,9 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
                   ACC_DTYPE=acc_dtype, PRECISION=precision,
                   INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("linear_act", N, K, x.dtype, weight.dtype, weight.stride(), x.device, *consts.values())
-    launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, weight.dtype, key,
+    # Tiles sized for the wider operand: an fp32 x (the fold under autocast) takes twice the shared
+    # memory per A tile of a 16-bit one.
+    tile_dtype = x.dtype if x.element_size() > weight.element_size() else weight.dtype
+    launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, tile_dtype, key,
                   descriptors=descriptors)
     return out, (saved if save else None), stats
