@@ -29,20 +29,22 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+STATS_BLOCK = 4096  # elements one statistics program holds: whole rows, as many as fit (at least one)
+
+
 @triton.jit
 def layernorm_stats_kernel(x_ptr, stats_ptr, M, C, stride_xm, stride_xc, eps,
-                           ACC_DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                           ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_C)
-    col_mask = cols < C
-    for r in range(ROWS):
-        row = tl.program_id(0) * ROWS + r
-        mask = col_mask & (cols * 0 + row < M)
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols * stride_xc, mask=mask, other=0.0).to(ACC_DTYPE)
-        mean = tl.sum(x, axis=0) / C
-        dev = tl.where(mask, x - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=0) / C + eps)
-        tl.store(stats_ptr + row, mean, mask=row < M)
-        tl.store(stats_ptr + M + row, rstd, mask=row < M)
+    mask = (rows < M)[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
+    x = x.to(ACC_DTYPE)
+    mean = tl.sum(x, axis=1) / C
+    dev = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=1) / C + eps)
+    tl.store(stats_ptr + rows, mean, mask=rows < M)
+    tl.store(stats_ptr + M + rows, rstd, mask=rows < M)
 
 
 def layernorm_stats(x, eps):
@@ -51,10 +53,11 @@ def layernorm_stats(x, eps):
     stats = torch.empty((2, M), device=x.device, dtype=_acc_dtype(x.dtype))
     if M > 0:
         block_c = triton.next_power_of_2(C)
-        layernorm_stats_kernel[(cdiv(M, LAYERNORM_ROWS_PER_PROGRAM),)](
+        block_m = min(triton.next_power_of_2(M), max(1, STATS_BLOCK // block_c))
+        layernorm_stats_kernel[(cdiv(M, block_m),)](
             x, stats, M, C, x.stride(0), x.stride(1), eps,
             ACC_DTYPE=tl.float64 if x.dtype == torch.float64 else tl.float32,
-            ROWS=LAYERNORM_ROWS_PER_PROGRAM, BLOCK_C=block_c, num_warps=row_kernel_warps(block_c))
+            BLOCK_M=block_m, BLOCK_C=block_c, num_warps=row_kernel_warps(block_m * block_c))
     return stats
 
 
