@@ -33,6 +33,11 @@ def kernel_activations(name):
     raise ValueError(f"activation must be one of {list(PLAIN) + list(GATED)}, got {name!r}")
 
 
+# NaN and inf: each function returns NaN / inf exactly where PyTorch's eager activation (and its autograd
+# derivative) does in the same dtype, so a diverged run's NaN reaches the loss, where train.py stops.
+# Comparisons with NaN are false, so a branch is written to fall through to x for NaN: tl.maximum(x, 0)
+# and tl.where(x > 0, x, 0) both give 0 there.
+#
 # tanh and sigmoid are written out through exp where they are used: libdevice's tanh is missing under
 # the CPU interpreter, and the interpreter breaks on jit helpers nested two calls deep.
 # tanh(x) = 2 / (1 + exp(-2x)) - 1;  sigmoid(x) = 1 / (1 + exp(-x)).
@@ -47,10 +52,10 @@ def activation(x, NAME: tl.constexpr):
     elif NAME == "gelu_tanh":
         t = 2.0 / (1.0 + tl.exp((x + x * x * x * GELU_TANH_C) * (-2.0 * SQRT_2_OVER_PI))) - 1.0
         return 0.5 * x * (1.0 + t)
-    elif NAME == "relu":
-        return tl.maximum(x, 0.0)
+    elif NAME == "relu":  # not tl.maximum(x, 0.0), which turns NaN into 0 (see the note above)
+        return tl.where(x < 0.0, 0.0, x)
     elif NAME == "relu2":
-        r = tl.maximum(x, 0.0)
+        r = tl.where(x < 0.0, 0.0, x)
         return r * r
     elif NAME == "silu":
         return x / (1.0 + tl.exp(-x))
@@ -64,17 +69,17 @@ def activation(x, NAME: tl.constexpr):
 @triton.jit
 def activation_grad(x, NAME: tl.constexpr):
     """d activation(x) / dx."""
-    if NAME == "identity":
-        return x * 0.0 + 1.0
+    if NAME == "identity":  # exactly 1, also at NaN / inf (x * 0 + 1 would be NaN there); where() keeps
+        return tl.where(x == x, 1.0, 1.0)  # x's shape and layout, also in the Gluon kernel (pingpong.py)
     elif NAME == "gelu":
         return 0.5 * (1.0 + tl.erf(x * SQRT_HALF)) + x * tl.exp(-0.5 * x * x) * INV_SQRT_2PI
     elif NAME == "gelu_tanh":
         t = 2.0 / (1.0 + tl.exp((x + x * x * x * GELU_TANH_C) * (-2.0 * SQRT_2_OVER_PI))) - 1.0
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (1.0 + x * x * (3.0 * GELU_TANH_C)) * SQRT_2_OVER_PI
-    elif NAME == "relu":
-        return tl.where(x > 0.0, 1.0, 0.0)
+    elif NAME == "relu":  # 1 at NaN, as PyTorch's relu backward (it zeroes the gradient where relu(x) <= 0)
+        return tl.where(x <= 0.0, 0.0, 1.0)
     elif NAME == "relu2":
-        return 2.0 * tl.maximum(x, 0.0)
+        return 2.0 * tl.where(x < 0.0, 0.0, x)
     elif NAME == "silu":
         s = 1.0 / (1.0 + tl.exp(-x))
         return s * (1.0 + x * (1.0 - s))
@@ -96,8 +101,9 @@ NEG_HALF_LOG2E = tl.constexpr(-0.7213475204444817)  # exp(-x²/2) = exp2(x² · 
 @triton.jit
 def gelu_and_grad_16bit(x):
     """(GELU(x), GELU'(x)) = (x·Φ(x), Φ(x) + x·φ(x)) for 16-bit outputs: one reciprocal square root,
-    one exp2 and 18 other instructions an element (sm_90 SASS). libdevice's erf takes far more: in the
-    ping-pong kernel (pingpong.py) it once added 85 us to a 114 us forward (H100, 12288x3072x768).
+    one exp2 and 18 other instructions an element (sm_90 SASS), where libdevice's erf takes several times
+    as many and made the ping-pong kernel's epilogue, not its MMAs, the bottleneck (notes/perf.md).
+    NaN gives NaN, +inf gives (inf, NaN) and -inf (NaN, NaN), as PyTorch's erf-based GELU does.
     Φ(-|x|) = φ(x)·√(2π)·t·S(t) (see GELU_CDF_T) is within ~1e-5 of Φ, relative, in both tails: far
     under the 3.9e-3 (bf16) and 4.9e-4 (fp16) of the outputs it is used for, not under fp32's."""
     # t = 1/d as rsqrt(d²): one MUFU.RSQ and a multiply, where a division (even tl.fdiv's approximate

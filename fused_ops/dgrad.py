@@ -55,8 +55,8 @@ def dgrad_kernel(
     grad_h = matmul_loop(g_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_gm, stride_gk,
                          stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64,
                          BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR)[0]
-    # The saved tensor is read after the main loop: held in registers across it (an earlier version),
-    # it pushed the tile over the register file and spilled.
+    # The saved tensor is read after the main loop: held in registers across it, it would push the tile
+    # over the register file and spill.
     if SPLIT_EPILOGUE:  # one half of the tile's columns at a time
         left, right = split_columns(grad_h, BLOCK_M, BLOCK_N)
         dgrad_epilogue(left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), pid_m, M, N, saved_ptr, out_ptr,

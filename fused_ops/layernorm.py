@@ -1,19 +1,64 @@
-"""LayerNorm backward for the folded LayerNorm (see linear_act.ln_linear_act_forward).
+"""The two row kernels of the folded LayerNorm (fuse_ln; the matmul itself is in linear_act.py).
 
-The forward never writes LN(x); it saves each row's mean and 1/std. Backward gets grad_ln = grad_pre @ W
-(the gradient at the LayerNorm's output, from cuBLAS) and, in one pass over the rows, this kernel
+Forward, before the matmul: `layernorm_stats` reads each row of x once and writes its mean and 1/std
+(2, M), in fp32 (fp64 for fp64). The matmul kernel then normalizes every A tile it loads with them,
+so each row's statistics are computed once, not once per output tile.
+
+The statistics are taken in two passes over a row held in registers: the mean first, then the mean of
+squared deviations from it. Rows of the residual stream can have a mean far larger than their spread,
+and there E[x²] - E[x]² subtracts two nearly equal numbers and loses the variance (tested).
+
+Backward: grad_ln = grad_pre @ W (the gradient at the LayerNorm's output, from cuBLAS) and, in one pass
+over the rows, `layernorm_backward`
     - recomputes ln = x̂·γ + β (x̂ = (x - mean)·rstd), which the weight gradient grad_pre.T @ ln needs,
     - writes dx = rstd · (g - mean(g) - x̂ · mean(g·x̂)) with g = grad_ln·γ,
     - sums dγ = Σ grad_ln·x̂ and dβ = Σ grad_ln over its rows into its own row of a small fp32 buffer
       (deterministic, no atomics); the launcher adds those rows up.
+Both read x in its own dtype (fp32 under autocast) and subtract the mean before anything is rounded.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .matmul import dot_settings
 from .tuning import LAYERNORM_ROWS_PER_PROGRAM, cdiv, row_kernel_warps
+
+
+def _acc_dtype(dtype):
+    """Row statistics and the LayerNorm arithmetic: fp32, or fp64 for fp64 (the interpreter's gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+STATS_BLOCK = 4096  # elements one statistics program holds: whole rows, as many as fit (at least one)
+
+
+@triton.jit
+def layernorm_stats_kernel(x_ptr, stats_ptr, M, C, stride_xm, stride_xc, eps,
+                           ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < M)[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
+    x = x.to(ACC_DTYPE)
+    mean = tl.sum(x, axis=1) / C
+    dev = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=1) / C + eps)
+    tl.store(stats_ptr + rows, mean, mask=rows < M)
+    tl.store(stats_ptr + M + rows, rstd, mask=rows < M)
+
+
+def layernorm_stats(x, eps):
+    """(2, M) tensor of each row's mean and 1 / sqrt(var + eps) for a 2-D x of any strides."""
+    M, C = x.shape
+    stats = torch.empty((2, M), device=x.device, dtype=_acc_dtype(x.dtype))
+    if M > 0:
+        block_c = triton.next_power_of_2(C)
+        block_m = min(triton.next_power_of_2(M), max(1, STATS_BLOCK // block_c))
+        layernorm_stats_kernel[(cdiv(M, block_m),)](
+            x, stats, M, C, x.stride(0), x.stride(1), eps,
+            ACC_DTYPE=tl.float64 if x.dtype == torch.float64 else tl.float32,
+            BLOCK_M=block_m, BLOCK_C=block_c, num_warps=row_kernel_warps(block_m * block_c))
+    return stats
 
 
 @triton.jit
@@ -56,26 +101,29 @@ def layernorm_backward_kernel(
 def layernorm_backward(x, grad_ln, ln_weight, ln_bias, stats):
     """Gradients of LN(x) = x̂·γ + β from grad_ln (the gradient at its output) and the saved row stats.
 
-    x: (M, C) of any strides; grad_ln: (M, C) with unit column stride; ln_weight / ln_bias: (C,) or None;
-    stats: (2, M) row means and 1/std from ln_linear_act_forward. Returns (dx, ln, dγ or None, dβ or None):
-    ln is the recomputed LayerNorm output in x's dtype.
+    x: (M, C) of any strides; grad_ln: (M, C) with unit column stride, in the dtype the matmul ran in;
+    ln_weight / ln_bias: (C,) or None; stats: (2, M) from layernorm_stats. Returns (dx in x's dtype,
+    ln in grad_ln's dtype, dγ or None, dβ or None): under autocast x is fp32 and the matmul 16-bit, and
+    ln is what eager's linear layer would have saved, the LayerNorm output rounded to the matmul's dtype.
     """
     M, C = x.shape
     if grad_ln.shape != (M, C) or (C > 1 and grad_ln.stride(1) != 1):
         raise ValueError(f"grad_ln must have shape {(M, C)} and unit column stride, got {tuple(grad_ln.shape)} "
                          f"with strides {grad_ln.stride()}")
-    acc_dtype, _ = dot_settings(x.dtype)
-    sum_dtype = stats.dtype
-    dx, ln = torch.empty((M, C), device=x.device, dtype=x.dtype), torch.empty((M, C), device=x.device, dtype=x.dtype)
+    if stats.shape != (2, M):
+        raise ValueError(f"stats must have shape {(2, M)} (row means and 1/std), got {tuple(stats.shape)}")
+    dx = torch.empty((M, C), device=x.device, dtype=x.dtype)
+    ln = torch.empty((M, C), device=x.device, dtype=grad_ln.dtype)
     programs = cdiv(M, LAYERNORM_ROWS_PER_PROGRAM)
-    partial_w = torch.zeros((max(programs, 1), C), device=x.device, dtype=sum_dtype)
+    partial_w = torch.zeros((max(programs, 1), C), device=x.device, dtype=stats.dtype)
     partial_b = torch.zeros_like(partial_w)
     if M > 0:
         block_c = triton.next_power_of_2(C)
         layernorm_backward_kernel[(programs,)](
             x, grad_ln, ln_weight if ln_weight is not None else x, ln_bias if ln_bias is not None else x, stats,
             dx, ln, partial_w, partial_b, M, C, x.stride(0), x.stride(1), grad_ln.stride(0), dx.stride(0), ln.stride(0),
-            HAS_WEIGHT=ln_weight is not None, HAS_BIAS=ln_bias is not None, ACC_DTYPE=acc_dtype,
+            HAS_WEIGHT=ln_weight is not None, HAS_BIAS=ln_bias is not None,
+            ACC_DTYPE=tl.float64 if stats.dtype == torch.float64 else tl.float32,
             ROWS=LAYERNORM_ROWS_PER_PROGRAM, BLOCK_C=block_c, num_warps=row_kernel_warps(block_c))
     grad_w = partial_w.sum(0).to(ln_weight.dtype) if ln_weight is not None else None
     grad_b = partial_b.sum(0).to(ln_bias.dtype) if ln_bias is not None else None

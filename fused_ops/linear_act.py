@@ -10,11 +10,13 @@ else: act'(z) for a plain activation; [up_act(u)·gate_act'(g) | gate_act(g)·up
 (GELU's erf, SiLU's sigmoid), and backward's dgrad kernel only multiplies: no transcendental there, and it
 reads exactly as many values as it would read of z.
 
-LayerNorm fold (ln_linear_act_forward): act(LN(x) @ W.T + b) from the raw x. With W' = W·diag(γ),
-colsum = W' summed over inputs and b' = b + W β:
-        LN(x) @ W.T + b = (x @ W'.T - mean(x)·colsum) / std(x) + b'
-The row statistics are gathered in the same K loop as the matmul (see matmul_loop's ROW_STATS), so
-the normalized x is never written; the mean and 1/std of each row are saved for backward.
+LayerNorm fold (ln_linear_act_forward): act(LN(x) @ W.T + b) from the raw x, without writing LN(x).
+A small row kernel first computes each row's mean and 1/std (layernorm.layernorm_stats, once per row);
+the matmul then normalizes every A tile as it loads it, (x - mean)·rstd·γ + β in fp32, and rounds only
+that to the weight's dtype: the values eager LayerNorm then Linear multiply. x itself is never rounded
+(under autocast it stays fp32): in 16 bits, a row whose mean is large against its spread keeps little
+more than the mean's digits. Normalizing before the dot, rather than folding γ, β into W and
+subtracting mean·colsum(W) from its result, also leaves no cancellation after the fact.
 """
 
 import torch
@@ -23,6 +25,7 @@ import triton.language as tl
 
 from . import pingpong
 from .activations import activation, activation_grad, kernel_activations
+from .layernorm import layernorm_stats
 from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
                      tile_ids, tma_operands)
 from .tuning import TRANSPOSE_WEIGHT_MIN_M, launch_matmul
@@ -57,10 +60,11 @@ def linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr
 
 @triton.jit
 def linear_act_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, saved_ptr, colsum_ptr, stats_ptr, eps, M, N, K,
+    x_ptr, w_ptr, b_ptr, out_ptr, saved_ptr, stats_ptr, ln_w_ptr, ln_b_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_sm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, LN_FOLD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
+    LN_FOLD: tl.constexpr, LN_WEIGHT: tl.constexpr, LN_BIAS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
     TMA: tl.constexpr, B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -69,21 +73,12 @@ def linear_act_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # B = W.T: step along K with W's column stride, along N with its row stride. The up half starts N rows down.
-    z, z_up, shift, mean, m2 = matmul_loop(
+    # With LN_FOLD, x is the raw input and each A tile is normalized as it is loaded (see matmul_loop).
+    z, z_up = matmul_loop(
         x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
         N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
-        ROW_STATS=LN_FOLD, TMA=TMA, B_KMAJOR=B_KMAJOR)
-
-    if LN_FOLD:  # z = (x - s) @ W'.T: subtract mean(x - s) * colsum and divide by the row's std
-        n_mask = offs_n < N
-        rstd = 1.0 / tl.sqrt(m2 / K + eps)
-        z = (z - mean[:, None] * tl.load(colsum_ptr + offs_n, mask=n_mask, other=0.0)[None, :]) * rstd[:, None]
-        if GATED:
-            colsum_up = tl.load(colsum_ptr + N + offs_n, mask=n_mask, other=0.0)
-            z_up = (z_up - mean[:, None] * colsum_up[None, :]) * rstd[:, None]
-        if SAVE and pid_n == 0:  # one program per row-tile saves the row statistics backward needs
-            tl.store(stats_ptr + offs_m, shift + mean, mask=offs_m < M)
-            tl.store(stats_ptr + M + offs_m, rstd, mask=offs_m < M)
+        TMA=TMA, B_KMAJOR=B_KMAJOR, stats_ptr=stats_ptr, ln_w_ptr=ln_w_ptr, ln_b_ptr=ln_b_ptr,
+        LAYERNORM=LN_FOLD, LN_WEIGHT=LN_WEIGHT, LN_BIAS=LN_BIAS)
     if SPLIT_EPILOGUE:  # the epilogue on one half of the tile's columns at a time
         z_left, z_right = split_columns(z, BLOCK_M, BLOCK_N)
         up_left, up_right = z_left, z_right
@@ -113,64 +108,56 @@ def linear_act_forward(x, weight, bias, activation, save=True, out=None, saved=N
     return out, saved
 
 
-def fold_layernorm(weight, bias, ln_weight, ln_bias):
-    """(W' = W·diag(γ) in W's dtype, colsum = W' summed over inputs, b' = b + W β), the last two in fp32
-    (fp64 for fp64). colsum is summed from the rounded W' the kernel multiplies with, so the mean term
-    cancels exactly what the matmul added."""
-    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    with torch.autocast(weight.device.type, enabled=False):  # W β in fp32, not in the autocast dtype
-        w_folded = weight if ln_weight is None else (weight.to(acc) * ln_weight.to(acc)).to(weight.dtype)
-        colsum = w_folded.to(acc).sum(1)
-        b_folded = torch.zeros(weight.shape[0], device=weight.device, dtype=acc) if bias is None else bias.to(acc)
-        if ln_bias is not None:
-            b_folded = b_folded + weight.to(acc) @ ln_bias.to(acc)
-    return w_folded, colsum, b_folded
-
-
 def ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, save=True, out=None, saved=None):
     """act(LayerNorm(x) @ weight.T + bias) with the LayerNorm folded into the matmul (γ = ln_weight and
-    β = ln_bias may be None). Returns (out, saved or None, stats or None), saved as in linear_act_forward;
-    stats (2, M) holds each row's mean and 1/std in fp32 (fp64 for fp64), what the LayerNorm backward needs."""
-    w_folded, colsum, b_folded = fold_layernorm(weight, bias, ln_weight, ln_bias)
-    return _launch(x, w_folded, b_folded, activation, save, out, saved, ln=(colsum, eps))
+    β = ln_bias may be None). x may be fp32 while the weights are 16-bit (autocast: LayerNorm runs in fp32);
+    out and saved then take the weights' dtype. Returns (out, saved or None, stats or None), saved as in
+    linear_act_forward; stats (2, M) holds each row's mean and 1/std in fp32 (fp64 for fp64), what the
+    LayerNorm backward needs."""
+    stats = layernorm_stats(x, eps)
+    out, saved, _ = _launch(x, weight, bias, activation, save, out, saved, ln=(ln_weight, ln_bias, stats))
+    return out, saved, (stats if save else None)
 
 
 def _launch(x, weight, bias, activation, save, out, saved, ln=None):
     act, up_act, gated = kernel_activations(activation)
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
-    if out is None:
-        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if out is None:  # the weights' dtype: x's, except for an fp32 x under the LayerNorm fold
+        out = torch.empty((M, N), device=x.device, dtype=weight.dtype)
     else:
         check_buffer("out", out, (M, N))
     if save and saved is None:
-        saved = torch.empty((M, weight.shape[0]), device=x.device, dtype=x.dtype)
+        saved = torch.empty((M, weight.shape[0]), device=x.device, dtype=weight.dtype)
     elif save:
         check_buffer("saved", saved, (M, weight.shape[0]))
-    colsum, eps = ln if ln is not None else (None, 0.0)
-    stats = torch.empty((2, M), device=x.device, dtype=colsum.dtype) if ln is not None and save else None
+    ln_weight, ln_bias, stats = ln if ln is not None else (None, None, None)
     if M == 0:
         return out, (saved if save else None), stats
     if (ln is None and pingpong.usable(x, (weight, out, saved if save else None), (bias,), N if gated else None)
             and pingpong.linear_act_forward(x, weight, bias, act, up_act, gated, save, out, saved)):
         return out, (saved if save else None), stats  # Hopper, 16-bit (False if that kernel failed: Triton's below)
     # The TMA loop reads x and W.T through descriptors, in either orientation of W at the same speed
-    # (H100, results/profile_mlp_h100.txt). The LayerNorm fold shifts x's rows in registers, so it keeps
-    # the pointer loop.
+    # (results/profile_mlp_h100.txt).
+    # The LayerNorm fold normalizes x's tiles in registers, so it keeps the pointer loop.
     descriptors, b_kmajor = tma_operands(x, weight.t()) if ln is None else ([], False)
     if not descriptors and x.is_cuda and M >= TRANSPOSE_WEIGHT_MIN_M and weight.stride(1) == 1:
         # The pointer loop feeds the tensor cores faster from an N-major B = W.T; a row-major (N, K) weight
-        # is K-major. One transposed copy of W (a few us) saves more than that in the main loop once M is
-        # large (H100, M=12288, C=768, H=3072: a plain Triton matmul 1.42x -> 1.17x cuBLAS).
+        # is K-major. One transposed copy of W costs less than that saves in the main loop once M is large.
         weight = weight.t().contiguous().t()
-    acc_dtype, precision = dot_settings(x.dtype)
+    acc_dtype, precision = dot_settings(weight.dtype)  # the dot's operands have the weight's dtype
     args = (x, weight, bias if bias is not None else weight, out, saved if save else out,
-            colsum if ln is not None else weight, stats if stats is not None else out, eps, M, N, K,
+            stats if stats is not None else out, ln_weight if ln_weight is not None else weight,
+            ln_bias if ln_bias is not None else weight, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), saved.stride(0) if save else 0)
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, SAVE=save,
-                  LN_FOLD=ln is not None, ACC_DTYPE=acc_dtype, PRECISION=precision,
+                  LN_FOLD=ln is not None, LN_WEIGHT=ln_weight is not None, LN_BIAS=ln_bias is not None,
+                  ACC_DTYPE=acc_dtype, PRECISION=precision,
                   INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor)
-    key = ("linear_act", N, K, x.dtype, weight.stride(), x.device, *consts.values())
-    launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, x.dtype, key,
+    key = ("linear_act", N, K, x.dtype, weight.dtype, weight.stride(), x.device, *consts.values())
+    # Tiles sized for the wider operand: an fp32 x (the fold under autocast) takes twice the shared
+    # memory per A tile of a 16-bit one.
+    tile_dtype = x.dtype if x.element_size() > weight.element_size() else weight.dtype
+    launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, tile_dtype, key,
                   descriptors=descriptors)
     return out, (saved if save else None), stats

@@ -33,7 +33,9 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, b2_offset,
                 ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TWO_B: tl.constexpr,
                 INT64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                ROW_STATS: tl.constexpr = False, TMA: tl.constexpr = False, B_KMAJOR: tl.constexpr = False):
+                TMA: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
+                stats_ptr=None, ln_w_ptr=None, ln_b_ptr=None, LAYERNORM: tl.constexpr = False,
+                LN_WEIGHT: tl.constexpr = False, LN_BIAS: tl.constexpr = False):
     """acc = A[off_m:off_m+BLOCK_M, :] @ B[:, off_n:off_n+BLOCK_N] over the whole K, for A (M, K) and B (K, N).
 
     Two ways to read the operands, chosen at compile time:
@@ -43,8 +45,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
       the copy engine moves whole tiles into shared memory, fills out-of-bounds rows and K columns with
       zeros, and leaves the warps free to issue MMAs. B is described by a (K, N) descriptor, or with
       B_KMAJOR by the (N, K) matrix it is the transpose of (a row-major weight); strides are unused.
-      On an H100 this main loop runs at 1.14x cuBLAS against 1.4-1.5x for the pointer loop
-      (tools/overlap_probe.py, notes/perf.md).
+      On Hopper it is the faster of the two loops (tools/overlap_probe.py; numbers in notes/perf.md).
 
     With TWO_B, a second accumulator gets A @ B2 where B2 starts b2_offset elements after B (with TMA:
     b2_offset columns of B further along N, i.e. rows of a K-major weight): the gated
@@ -53,17 +54,17 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
     compiler that offs_n is contiguous and scalarize loads of a row-major B). The K tail is masked only
     when K % BLOCK_K != 0. INT64 switches to 64-bit offsets when some element offset reaches 2**31 (see needs_int64).
 
-    With ROW_STATS (the LayerNorm fold), each row of A is first shifted by its own first element s, and
-    the loop also gathers the mean and the sum of squared deviations (M2) of the shifted rows. The shift
-    changes nothing for LayerNorm (LN(a) = LN(a - s)) but keeps the products small when rows have a
-    large mean, so the later "minus mean times column sums" does not cancel away the signal. Statistics
-    are merged block by block with Chan's formula (each block's own mean and M2 first), never as
-    E[a^2] - E[a]^2, which cancels badly. Returns (acc, acc2, shift, mean of shifted rows, M2).
+    With LAYERNORM (the LayerNorm fold), A is the raw input and each A tile is normalized as it is
+    loaded: a = (a - mean)·rstd·γ + β in the accumulator dtype, with the row statistics from stats_ptr
+    ((2, M): means, then 1/std; see layernorm.layernorm_stats) and γ / β from ln_w_ptr / ln_b_ptr (with
+    LN_WEIGHT / LN_BIAS). Only the normalized value is rounded to B's dtype for the dot, as eager
+    LayerNorm then Linear would round it: rounding the raw row first (to 16 bits, under autocast) would
+    keep only the digits of its mean when the mean is large against the spread. Returns (acc, acc2).
     """
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     if TMA:
-        tl.static_assert(not ROW_STATS, "the LayerNorm fold reads A through pointers")
+        tl.static_assert(not LAYERNORM, "the LayerNorm fold reads A through pointers")
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -76,8 +77,6 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
                 acc = tl.dot(a, b_ptr.load([k * BLOCK_K, off_n]), acc, input_precision=PRECISION)
                 if TWO_B:
                     acc2 = tl.dot(a, b_ptr.load([k * BLOCK_K, off_n + b2_offset]), acc2, input_precision=PRECISION)
-        shift = tl.zeros((BLOCK_M,), dtype=ACC_DTYPE)
-        mean, m2 = shift, shift
     else:
         rk = tl.arange(0, BLOCK_K)
         rows, cols = offs_m, offs_n
@@ -89,11 +88,9 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
         n_mask = (offs_n < N)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-        mean = tl.zeros((BLOCK_M,), dtype=ACC_DTYPE)
-        m2 = tl.zeros((BLOCK_M,), dtype=ACC_DTYPE)
-        shift = mean
-        if ROW_STATS:
-            shift = tl.load(a_ptr + rows * stride_am, mask=offs_m < M, other=0.0).to(ACC_DTYPE)
+        if LAYERNORM:  # rows past M get mean 0 and rstd 0: zeros, like the masked rows of A
+            row_mean = tl.load(stats_ptr + offs_m, mask=offs_m < M, other=0.0).to(ACC_DTYPE)[:, None]
+            row_rstd = tl.load(stats_ptr + M + offs_m, mask=offs_m < M, other=0.0).to(ACC_DTYPE)[:, None]
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a_mask, b_mask = m_mask, n_mask
@@ -101,31 +98,27 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
                 k_left = K - k * BLOCK_K
                 a_mask, b_mask = m_mask & (rk[None, :] < k_left), n_mask & (rk[:, None] < k_left)
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            if ROW_STATS:
+            if LAYERNORM:  # columns past K need no mask: B's rows there load as zeros
+                a = (a.to(ACC_DTYPE) - row_mean) * row_rstd
                 in_k = rk < K - k * BLOCK_K
-                in_row = m_mask & in_k[None, :]
-                y = tl.where(in_row, a.to(ACC_DTYPE) - shift[:, None], 0.0)
-                n_seen = k * BLOCK_K * 1.0
-                n_block = tl.sum(tl.where(in_k, 1.0, 0.0), axis=0).to(ACC_DTYPE)
-                block_mean = tl.sum(y, axis=1) / n_block
-                dev = tl.where(in_row, y - block_mean[:, None], 0.0)
-                delta = block_mean - mean
-                mean += delta * (n_block / (n_seen + n_block))
-                m2 += tl.sum(dev * dev, axis=1) + delta * delta * (n_seen * n_block / (n_seen + n_block))
-                a = y.to(a.dtype)
+                if LN_WEIGHT:
+                    a *= tl.load(ln_w_ptr + k * BLOCK_K + rk, mask=in_k, other=0.0).to(ACC_DTYPE)[None, :]
+                if LN_BIAS:
+                    a += tl.load(ln_b_ptr + k * BLOCK_K + rk, mask=in_k, other=0.0).to(ACC_DTYPE)[None, :]
+                a = a.to(b_ptr.dtype.element_ty)
             acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, input_precision=PRECISION)
             if TWO_B:
                 acc2 = tl.dot(a, tl.load(b_ptrs + b2_offset, mask=b_mask, other=0.0), acc2, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-    return acc, acc2, shift, mean, m2
+    return acc, acc2
 
 
 @triton.jit
 def split_columns(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(left half, right half) of a (BLOCK_M, BLOCK_N) tile. Epilogues work on one half at a time: the
     activation's temporaries for half a tile fit in registers beside the accumulator, where a whole
-    tile's spill (measured on an H100: 255 registers and ~300 spilled values for a 128x128 GELU tile)."""
+    tile's would spill (a 128x128 GELU tile does on Hopper: notes/perf.md)."""
     return tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 

@@ -7,8 +7,9 @@ Backward:  dW2 = grad_y.T @ h, db2 = grad_y.sum(0)       (cuBLAS)
            grad_z, db1 = linear_act_dgrad(grad_y, W2, s)  (Triton: matmul * s, bias sums fused)
            dW1 = grad_z.T @ x, dx = grad_z @ W1           (cuBLAS)
 
-With the block's LayerNorm folded in (ln_weight / ln_bias / ln_eps given), x is the raw residual stream:
-Forward:   h, s, stats = ln_linear_act(x, γ, β, W1, b1)   (Triton: LN folded into the matmul, see linear_act.py)
+With the block's LayerNorm folded in (ln_weight / ln_bias / ln_eps given), x is the raw residual stream,
+kept in its own dtype under autocast (fp32: LayerNorm runs in fp32 there, only its output is rounded):
+Forward:   h, s, stats = ln_linear_act(x, γ, β, W1, b1)   (Triton: row stats, then LN in the matmul's A loads)
 Backward:  grad_ln = grad_z @ W1                           (cuBLAS)
            dx, ln, dγ, dβ = layernorm_backward(x, grad_ln, stats)   (Triton: one pass, recomputes ln = LN(x))
            dW1 = grad_z.T @ ln                              (cuBLAS)
@@ -28,16 +29,18 @@ def kernels_can_run(x):
     return x.is_cuda or (INTERPRET and x.device.type == "cpu")
 
 
-def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None):
+def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None, fold_ln=False):
     """Reject what the kernels cannot take with an error naming the argument, before any launch.
 
-    The LayerNorm parameters may keep their own float dtype (fp32 under autocast, as nn.LayerNorm's)."""
+    The LayerNorm parameters may keep their own float dtype (fp32 under autocast, as nn.LayerNorm's), and
+    with the LayerNorm folded (fold_ln) so may an fp32 x beside 16-bit weights (autocast's LayerNorm input)."""
     _, _, gated = kernel_activations(activation)  # raises on an unknown name
     if not kernels_can_run(x):
         raise ValueError(f"x is on {x.device}: the fused MLP needs CUDA tensors (or TRITON_INTERPRET=1 set before "
                          "Triton is imported, to run the kernels on CPU); use mlp='eager' or 'auto' instead "
                          "(sample.py / train.py: --mlp=eager)")
     named = {"x": x, "w_fc": w_fc, "b_fc": b_fc, "w_proj": w_proj, "b_proj": b_proj}
+    mixed = fold_ln and x.dtype == torch.float32 and w_fc.dtype in (torch.float16, torch.bfloat16)
     for name, t in named.items():
         if t is None:
             continue
@@ -46,7 +49,9 @@ def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln
         if t.dtype == torch.float64 and t.is_cuda:  # Triton 3.6 does not compile our fp64 dot for CUDA
             raise TypeError(f"{name} is float64 on CUDA: float64 runs only under the CPU interpreter "
                             "(TRITON_INTERPRET=1, used for gradcheck); use float32, float16 or bfloat16")
-        if t.dtype != x.dtype:
+        if mixed and name != "x" and t.dtype != w_fc.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but w_fc has {w_fc.dtype}: all weights must share one dtype")
+        if not mixed and t.dtype != x.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}: all tensors must share one dtype")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
@@ -159,9 +164,8 @@ def _autocast(*tensors):
     """Cast to the autocast dtype when autocast is on, as nn.Linear would (the casts stay differentiable).
 
     Autocast itself is left on: every tensor the autograd Functions then see already has the autocast
-    dtype, so the one cuBLAS call autocast covers (addmm) gets them unchanged, and the kernels ignore it.
-    (fold_layernorm's fp32 arithmetic turns it off for itself.) A context that turned it off around each
-    call cost ~5 us of host time a call (timeit, on a fast CPU)."""
+    dtype, so the one cuBLAS call autocast covers (addmm) gets them unchanged, and the kernels ignore it
+    (a context that turned it off around each call would cost host time on every call)."""
     device_type = tensors[0].device.type
     if not torch.is_autocast_enabled(device_type):
         return tensors
@@ -174,10 +178,16 @@ def fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias
 
     With ln_eps given, x is first normalized by LayerNorm(γ = ln_weight, β = ln_bias, eps = ln_eps), folded
     into the first matmul. γ and β keep their dtype under autocast (LayerNorm runs in fp32 there too)."""
-    x, w_fc, b_fc, w_proj, b_proj = _autocast(x, w_fc, b_fc, w_proj, b_proj)
+    if ln_eps is None:
+        x, w_fc, b_fc, w_proj, b_proj = _autocast(x, w_fc, b_fc, w_proj, b_proj)
+    else:  # x is LayerNorm's input: autocast runs LayerNorm in fp32, so x is not rounded to 16 bits here
+        w_fc, b_fc, w_proj, b_proj = _autocast(w_fc, b_fc, w_proj, b_proj)
+        if x.dtype != w_fc.dtype and x.dtype in (torch.float16, torch.bfloat16) and \
+                torch.is_autocast_enabled(x.device.type):
+            x = x.float()  # as autocast's LayerNorm would (a 16-bit x of the weights' dtype is read as it is)
     if ln_eps is None and (ln_weight is not None or ln_bias is not None):
         raise ValueError("ln_weight / ln_bias given without ln_eps: pass the LayerNorm's eps to fold it")
-    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias)
+    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, fold_ln=ln_eps is not None)
     return FusedMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps)
 
 

@@ -85,7 +85,7 @@ def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[T
 
 @ln_linear_act_op.register_fake
 def _(x, ln_weight, ln_bias, eps, weight, bias, activation, save):
-    out, saved = _linear_act_fake(x, weight, bias, activation, save)
+    out, saved = _linear_act_fake(x.to(weight.dtype), weight, bias, activation, save)  # the weights' dtype (autocast)
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return out, saved, x.new_empty((2, x.shape[0]) if save else (0,), dtype=stats_dtype)
 
@@ -100,5 +100,5 @@ def layernorm_backward_op(x: Tensor, grad_ln: Tensor, ln_weight: Optional[Tensor
 
 @layernorm_backward_op.register_fake
 def _(x, grad_ln, ln_weight, ln_bias, stats):
-    return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(0) if ln_weight is None else ln_weight.new_empty(ln_weight.shape),
+    return (x.new_empty(x.shape), grad_ln.new_empty(x.shape), x.new_empty(0) if ln_weight is None else ln_weight.new_empty(ln_weight.shape),
             x.new_empty(0) if ln_bias is None else ln_bias.new_empty(ln_bias.shape))

@@ -1,7 +1,9 @@
 """Shared numerical checks: errors against a float64 reference, and the rule the fused path must meet."""
 
 import torch
+import torch.nn.functional as F
 
+from fused_ops.mlp import fused_mlp
 from model import GATED_ACTIVATIONS, PLAIN_ACTIVATIONS
 
 # The "tiny epsilon" added to the 2x rule, by dtype: a floor for cases where the eager error is ~0.
@@ -84,3 +86,32 @@ def check_dgrad(grad_z, grad_bias, grad_y, w2, saved, act, bias_grad=True):
         assert_no_worse_than_eager(grad_bias, eager.float().sum(0), ref.sum(0), "bias grad")
     else:
         assert grad_bias is None
+
+
+def eager_ln_mlp(x, w_fc, b_fc, w_proj, b_proj, ln_weight, ln_bias, act, eps=1e-5):
+    """The eager Block's second half: LayerNorm over the last dim, then the MLP."""
+    h = eager_act(act, F.linear(F.layer_norm(x, (x.shape[-1],), ln_weight, ln_bias, eps), w_fc, b_fc))
+    return F.linear(h, w_proj, b_proj)
+
+
+def check_ln_mlp_16bit(act, tensors, half, autocast, grad_y, what="", eps=1e-5):
+    """fused_mlp with the LayerNorm folded against the same-dtype eager LN + MLP and float64, output and
+    the gradients of x, W1, b1, W2, b2, γ, β, under autocast to `half` or (autocast False) as given."""
+    def run(fn, ts, gy, enabled):
+        leaves = [t.detach().requires_grad_() if t is not None else None for t in ts]
+        with torch.autocast(grad_y.device.type, dtype=half, enabled=enabled):
+            y = fn(*leaves)
+        y.backward(gy.to(y.dtype))
+        return [y] + [t.grad for t in leaves if t is not None]
+
+    fused = run(lambda x, w1, b1, w2, b2, gg, bb: fused_mlp(x, w1, b1, w2, b2, act, gg, bb, eps), tensors, grad_y, autocast)
+    eager = run(lambda *t: eager_ln_mlp(*t, act, eps), tensors, grad_y, autocast)
+    ref = run(lambda *t: eager_ln_mlp(*t, act, eps), [t.double() if t is not None else None for t in tensors],
+              grad_y.double(), False)
+    bias = tensors[2] is not None
+    names = ["y", "grad_x", "grad_w_fc"] + (["grad_b_fc"] if bias else []) + ["grad_w_proj"] + \
+        (["grad_b_proj"] if bias else []) + ["grad_ln_weight"] + (["grad_ln_bias"] if bias else [])
+    assert len(fused) == len(names)
+    for name, f, e, r in zip(names, fused, eager, ref):
+        assert f.shape == r.shape and f.dtype == e.dtype, name
+        assert_no_worse_than_eager(f, e, r, f"{act} {what} {name}", compute_dtype=half)

@@ -82,3 +82,29 @@ def test_gelu_16bit_is_within_its_documented_error():
     assert ((out - xd * ref_cdf).abs() <= 1e-6 * xd.abs().clamp_min(1)).all()
     assert (grad - ref_grad).abs().max() < 2e-5
     assert torch.isfinite(out).all() and torch.isfinite(grad).all()
+
+
+SPECIAL = [float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 100.0, -100.0, 0.0, -0.0, 1.0]
+
+
+def eager_same_dtype(name, x):
+    """(act(x), act'(x)) by PyTorch's autograd in x's own dtype and device: where NaN and inf come out."""
+    x = x.detach().requires_grad_()
+    f = {**PLAIN_ACTIVATIONS, "identity": lambda v: v, "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid,
+         "tanh": torch.tanh, "gelu_16bit": PLAIN_ACTIVATIONS["gelu"]}[name]
+    y = f(x)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    return y.detach().double().cpu(), grad.double().cpu()
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES + ["gelu_16bit"])
+def test_nan_and_inf_come_out_where_eager_gives_them(name):
+    """A NaN must reach the loss (train.py stops on it): each function and its derivative give NaN, +inf
+    and -inf exactly where PyTorch's eager activation does, on NaN, inf and values whose powers overflow.
+    relu and relu2 once gave 0 for NaN (tl.maximum drops it); identity's derivative gave NaN for inf."""
+    x = torch.tensor(SPECIAL, device=DEVICE)
+    for ours, ref, what in zip(evaluate(name, x), eager_same_dtype(name, x), ("output", "derivative")):
+        assert torch.equal(ours.isnan(), ref.isnan()), f"{name} {what}: NaN at {x[ours.isnan()].tolist()}, " \
+                                                       f"eager at {x[ref.isnan()].tolist()}"
+        assert torch.equal(ours.isinf(), ref.isinf()) and torch.equal(ours[ours.isinf()], ref[ref.isinf()]), \
+            f"{name} {what}: inf {ours.tolist()} vs eager {ref.tolist()}"

@@ -8,7 +8,8 @@ from fused_ops import linear_act_dgrad, linear_act_forward
 from fused_ops.linear_act import ln_linear_act_forward
 from fused_ops.mlp import fused_mlp
 from model import GATED_ACTIVATIONS, GPT, GPTConfig
-from numerics import assert_no_worse_than_eager, check_dgrad, check_linear_act, check_saved, poisoned
+from numerics import (assert_no_worse_than_eager, check_dgrad, check_linear_act, check_ln_mlp_16bit, check_saved,
+                      eager_act, poisoned)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -98,6 +99,98 @@ def test_layernorm_fold_forward_large_and_odd(dtype, act, M, K, N, mean):
     ref = torch.addmm(b.double(), z64, w.double().t())
     eager = torch.addmm(b, z_eager, w.t())
     check_saved(saved, eager, ref, act)
+
+
+def _ln_mlp_tensors(act, C, H, x, dtype=torch.float32, bias=True):
+    """[x, W1, b1, W2, b2, γ, β] on the GPU for the given x, parameters in `dtype`."""
+    rows = (2 if act in GATED_ACTIVATIONS else 1) * H
+    r = lambda *shape, scale=1.0, mean=0.0: (torch.randn(*shape, device="cuda") * scale + mean).to(dtype)  # noqa: E731
+    return [x, r(rows, C, scale=C ** -0.5), r(rows) if bias else None, r(C, H, scale=H ** -0.5), r(C) if bias else None,
+            r(C, scale=0.5, mean=1.0), r(C, scale=0.5) if bias else None]
+
+
+# The fuzz cases of issue 22 (rows with a large mean against their spread, read through strides), and a
+# training-size one: the fold's output and all gradients within the 2x-eager rule under 16-bit autocast.
+LN_CASES = {  # name: (x's leading dims, C, H, how x is laid out, bias)
+    "4096x768": ((4096,), 768, 3072, "contiguous", True),
+    "8x1x71 strided": ((8, 1), 71, 284, "strided", True),
+    "16x1x9 strided": ((16, 1), 9, 36, "strided", True),
+    "73x80 expanded": ((73,), 80, 320, "expanded", True),
+    "8x1x16 sliced, no bias": ((8, 1), 16, 64, "sliced", False),
+    "8x64x48, no bias": ((8, 64), 48, 192, "contiguous", False),
+}
+
+
+def _laid_out(shape, C, mean, layout):
+    if layout == "strided":
+        return (torch.randn(*shape, 2 * C, device="cuda") + mean)[..., ::2]
+    if layout == "sliced":
+        return (torch.randn(*shape, C + 5, device="cuda") + mean)[..., 3:3 + C]
+    if layout == "expanded":
+        return (torch.randn(C, device="cuda") + mean).expand(*shape, C)
+    return torch.randn(*shape, C, device="cuda") + mean
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ["gelu", "relu", "relu2", "swiglu", "geglu", "sigmoid_tanh"])
+@pytest.mark.parametrize("mean", [25.0, 1000.0])
+@pytest.mark.parametrize("case", list(LN_CASES))
+def test_layernorm_fold_large_mean_under_autocast(half, act, mean, case):
+    torch.manual_seed(0)
+    shape, C, H, layout, bias = LN_CASES[case]
+    H = H * 2 // 3 if act in GATED_ACTIVATIONS else H
+    tensors = _ln_mlp_tensors(act, C, H, _laid_out(shape, C, mean, layout), bias=bias)
+    check_ln_mlp_16bit(act, tensors, half, True, torch.randn(*shape, C, device="cuda"), f"{half} {case} mean {mean}")
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ["gelu", "relu", "swiglu"])
+@pytest.mark.parametrize("mean", [25.0, 1000.0])
+def test_layernorm_fold_large_mean_16bit_modules(half, act, mean):
+    torch.manual_seed(0)
+    C, H = 768, 2048 if act in GATED_ACTIVATIONS else 3072
+    tensors = _ln_mlp_tensors(act, C, H, (torch.randn(4096, C, device="cuda") + mean).to(half), half)
+    check_ln_mlp_16bit(act, tensors, half, False, torch.randn(4096, C, device="cuda", dtype=half), f"{half} mean {mean}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ["identity", "gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu", "geglu_tanh",
+                                 "sigmoid_tanh"])
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_through_the_16bit_kernels(dtype, act, special, monkeypatch):
+    """Non-finite values in a few rows of x: output and every gradient NaN / inf exactly where eager's are.
+    At this size (16-byte aligned rows, 16-bit) a Hopper GPU runs the forward in the ping-pong kernel, whose
+    epilogues (its GELU polynomial included) are under test there: asserted by counting its launches."""
+    from fused_ops import pingpong
+
+    launches = []
+    real = pingpong._launch
+    monkeypatch.setattr(pingpong, "_launch", lambda *a, **k: (launches.append(k["EPILOGUE"]), real(*a, **k))[1])
+    torch.manual_seed(0)
+    gated = act in GATED_ACTIVATIONS
+    M, C, H = 300, 768, 2048 if gated else 3072
+    x = torch.randn(M, C, device="cuda", dtype=dtype)
+    x[[7, 150, 299], [3, 400, 767]] = special
+    params = [(torch.randn(*s, device="cuda") * scale).to(dtype) for s, scale in
+              ((((2 if gated else 1) * H, C), C ** -0.5), (((2 if gated else 1) * H,), 1.0), ((C, H), H ** -0.5), ((C,), 1.0))]
+    grad_y = torch.randn(M, C, device="cuda", dtype=dtype)
+
+    def run(fn):
+        leaves = [t.detach().requires_grad_() for t in [x] + params]
+        y = fn(*leaves)
+        y.backward(grad_y)
+        return [y] + [t.grad for t in leaves]
+
+    fused = run(lambda *t: fused_mlp(*t, act))
+    eager = run(lambda x_, w1, b1, w2, b2: torch.nn.functional.linear(
+        eager_act(act, torch.nn.functional.linear(x_, w1, b1)), w2, b2))
+    if special != special:
+        assert eager[0][[7, 150, 299]].isnan().all()
+    for name, f, e in zip(["y", "grad_x", "grad_w_fc", "grad_b_fc", "grad_w_proj", "grad_b_proj"], fused, eager):
+        assert torch.equal(f.isnan(), e.isnan()), f"{name}: NaN in {f.isnan().sum()} places, eager {e.isnan().sum()}"
+        assert torch.equal(f.isinf(), e.isinf()) and torch.equal(f[f.isinf()], e[e.isinf()]), name
+    if torch.cuda.get_device_capability()[0] == 9 and pingpong.AVAILABLE and pingpong.ENABLED:
+        assert "act" in launches
 
 
 @pytest.mark.parametrize("fuse_ln", [False, True])

@@ -165,6 +165,33 @@ def test_non_contiguous_inputs():
     assert y.shape == (2, 9, 40) and rel_err(y, ref) < 1e-5
 
 
+def nonfinite_pattern_matches(fused, eager, what):
+    """NaN, +inf and -inf in exactly the same places as the same-dtype eager result."""
+    assert torch.equal(fused.isnan(), eager.isnan()), f"{what}: NaN in {fused.isnan().sum()} places, eager " \
+                                                       f"{eager.isnan().sum()}"
+    assert torch.equal(fused.isinf(), eager.isinf()) and torch.equal(fused[fused.isinf()], eager[eager.isinf()]), what
+
+
+# 16-bit runs on the GPU only: there C = 64 and H = 64 make the rows 16-byte aligned, so on a Hopper GPU the
+# ping-pong kernel's epilogues (its GELU polynomial included) run; fp32 covers the Triton kernels everywhere.
+@pytest.mark.parametrize("act", ALL_ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_reach_output_and_gradients_like_eager(act, dtype, special):
+    """One non-finite input in one row: the output and every gradient are NaN / inf exactly where eager
+    PyTorch's are (a NaN must reach the loss, or train.py's NaN stop never fires)."""
+    tensors = _mlp_tensors(dtype, act, M=6, C=64, H=64)
+    tensors[0][2, 5] = special
+    grad_y = make((6, 64), dtype)
+    fused = _run_with_grads(lambda *t: fused_mlp(*t, act), tensors, grad_y)
+    eager = _run_with_grads(lambda *t: _eager_mlp(*t, act), tensors, grad_y)
+    # the case is live: a NaN input makes the whole output row NaN, and inf makes something non-finite
+    # (sigmoid_tanh's output stays finite for inf; its weight gradient does not)
+    assert eager[0][2].isnan().all() if special != special else not all(torch.isfinite(e).all() for e in eager)
+    for name, f, e in zip(["y", "grad_x", "grad_w_fc", "grad_b_fc", "grad_w_proj", "grad_b_proj"], fused, eager):
+        nonfinite_pattern_matches(f, e, f"{act} {dtype} {special} {name}")
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="float64 kernels run only under the CPU interpreter (CI runs this)")
 @pytest.mark.parametrize("act", ["gelu_tanh", "swiglu", "sigmoid_tanh"])
 def test_gradcheck_float64(act):

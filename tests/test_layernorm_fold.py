@@ -13,7 +13,8 @@ from fused_ops.layernorm import layernorm_backward
 from fused_ops.linear_act import ln_linear_act_forward
 from fused_ops.mlp import FusedMLPFunction, fused_mlp
 from model import GATED_ACTIVATIONS, GPT, GPTConfig
-from numerics import assert_no_worse_than_eager, check_saved, eager_act, poisoned, rel_err
+from numerics import (assert_no_worse_than_eager, check_ln_mlp_16bit, check_saved, eager_act, eager_ln_mlp,
+                      poisoned, rel_err)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -92,11 +93,6 @@ def test_layernorm_backward(dtype, affine):
     assert (dg, db) == (None, None) or affine
 
 
-def _eager_ln_mlp(x, w_fc, b_fc, w_proj, b_proj, g, beta, act):
-    h = eager_act(act, F.linear(F.layer_norm(x, (x.shape[-1],), g, beta, EPS), w_fc, b_fc))
-    return F.linear(h, w_proj, b_proj)
-
-
 @pytest.mark.parametrize("act", ["gelu", "relu2", "swiglu", "sigmoid_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
@@ -116,8 +112,8 @@ def test_fused_mlp_with_layernorm_output_and_all_gradients(act, dtype, bias, mea
         return [y] + [t.grad for t in leaves if t is not None]
 
     fused = run(lambda x, w1, b1, w2, b2, gg, bb: fused_mlp(x, w1, b1, w2, b2, act, gg, bb, EPS), tensors, grad_y)
-    eager = run(lambda *t: _eager_ln_mlp(*t, act), tensors, grad_y)
-    ref = run(lambda *t: _eager_ln_mlp(*t, act), [t.double() if t is not None else None for t in tensors], grad_y.double())
+    eager = run(lambda *t: eager_ln_mlp(*t, act), tensors, grad_y)
+    ref = run(lambda *t: eager_ln_mlp(*t, act), [t.double() if t is not None else None for t in tensors], grad_y.double())
     names = ["y", "grad_x", "grad_w_fc"] + (["grad_b_fc"] if bias else []) + ["grad_w_proj"] + \
         (["grad_b_proj"] if bias else []) + ["grad_ln_weight"] + (["grad_ln_bias"] if bias else [])
     assert len(fused) == len(names)
@@ -149,6 +145,22 @@ def test_bad_layernorm_arguments_are_named():
         GPTConfig(mlp="eager", fuse_ln=True)
 
 
+def test_mixed_dtypes_only_as_autocast_passes_them():
+    """With the LayerNorm folded, x may be fp32 beside 16-bit weights (LayerNorm's input under autocast);
+    any other mix is named in the error."""
+    x, w_fc, w_proj = make((4, 8), torch.float32), make((32, 8), torch.float16), make((8, 32), torch.float16)
+    assert fused_mlp(x, w_fc, None, w_proj, None, "gelu", None, None, EPS).dtype == torch.float16
+    with pytest.raises(TypeError, match="w_proj has dtype torch.bfloat16 but w_fc has torch.float16"):
+        fused_mlp(x, w_fc, None, w_proj.bfloat16(), None, "gelu", None, None, EPS)
+    with pytest.raises(TypeError, match="w_fc has dtype torch.float16 but x has torch.float32"):
+        fused_mlp(x, w_fc, None, w_proj, None, "gelu")  # no LayerNorm: one dtype for all
+    with pytest.raises(TypeError, match="w_fc has dtype torch.float16 but x has torch.float64"):
+        fused_mlp(x.double(), w_fc, None, w_proj, None, "gelu", None, None, EPS)
+    with torch.autocast(DEVICE, dtype=torch.float16):  # a bf16 x goes to fp32, as autocast's LayerNorm takes it
+        y = fused_mlp(x.bfloat16(), w_fc.float(), None, w_proj.float(), None, "gelu", None, None, EPS)
+    assert torch.equal(y, fused_mlp(x.bfloat16().float(), w_fc, None, w_proj, None, "gelu", None, None, EPS))
+
+
 def test_fuse_ln_checkpoints_load_either_way():
     cfg = dict(block_size=8, vocab_size=20, n_layer=1, n_head=2, n_embd=16)
     folded = GPT(GPTConfig(mlp="fused", fuse_ln=True, **cfg))
@@ -157,14 +169,112 @@ def test_fuse_ln_checkpoints_load_either_way():
     plain.load_state_dict(folded.state_dict())
 
 
-def test_fold_is_computed_in_fp32_under_autocast():
-    """W·γ, its column sums and b + W β do not change under autocast (the fused MLP leaves autocast on)."""
-    from fused_ops.linear_act import fold_layernorm
-
-    w, b = make((24, 40), torch.float32, 0.2), make((24,), torch.float32)
+def test_fold_ignores_autocast():
+    """The kernels take an fp32 x beside 16-bit weights (what fused_mlp passes under autocast) and do the
+    LayerNorm arithmetic in fp32 either way: autocast around them changes nothing."""
+    x, w, b = make((21, 40), torch.float32, 1.0, 50.0), make((24, 40), torch.float16, 0.2), make((24,), torch.float16)
     g, beta = ln_params(40, torch.float32)
-    plain = fold_layernorm(w, b, g, beta)
+    plain = ln_linear_act_forward(x, g, beta, EPS, w, b, "gelu")
     with torch.autocast(DEVICE, dtype=torch.float16):
-        under_autocast = fold_layernorm(w, b, g, beta)
+        under_autocast = ln_linear_act_forward(x, g, beta, EPS, w, b, "gelu")
     for p, a in zip(plain, under_autocast):
         assert a.dtype == p.dtype and torch.equal(a, p)
+    assert plain[0].dtype == torch.float16 and plain[2].dtype == torch.float32
+
+
+# Under autocast eager LayerNorm normalizes the fp32 input and rounds only its output to 16 bits; the fold
+# once rounded the raw x to 16 bits first, and on rows whose mean is large against their spread that keeps
+# little more than the mean's digits (issue 22). These run every activation on such rows, through the whole
+# MLP with all gradients: under autocast (fp32 parameters, as train.py runs) and with 16-bit modules.
+ALL_ACTS = ["identity", "gelu", "gelu_tanh", "relu", "relu2"] + list(GATED_ACTIVATIONS)
+HALF = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+LARGE_MEAN_CASES = ([(act, "autocast", 1000.0) for act in ALL_ACTS] + [(act, "autocast", 30.0) for act in ("relu", "swiglu")]
+                    + [(act, "16-bit modules", 1000.0) for act in ("gelu", "relu", "swiglu", "geglu")])
+
+
+def _ln_mlp_tensors(act, C, H, mean, dtype=torch.float32, shape=(3, 7), bias=True):
+    rows = (2 if act in GATED_ACTIVATIONS else 1) * H
+    g, beta = ln_params(C, dtype, bias)
+    return [make((*shape, C), dtype, 1.0, mean), make((rows, C), dtype, C ** -0.5), make((rows,), dtype) if bias else None,
+            make((C, H), dtype, H ** -0.5), make((C,), dtype) if bias else None, g, beta]
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize("act,mode,mean", LARGE_MEAN_CASES)
+def test_large_mean_rows_in_16_bit(act, mode, mean, half):
+    C, H = 48, 64
+    autocast = mode == "autocast"
+    tensors = _ln_mlp_tensors(act, C, H, mean, torch.float32 if autocast else half)
+    check_ln_mlp_16bit(act, tensors, half, autocast, make((3, 7, C), torch.float32), f"{half} {mode} mean {mean}")
+
+
+def strided_x(layout, shape, C, mean):
+    """x of (*shape, C) read through strides: every other column of a wider tensor, a slice of one, or one
+    row expanded over all rows (stride 0). Under autocast the kernels read this fp32 x as it is."""
+    if layout == "strided":
+        return make((*shape, 2 * C), torch.float32, 1.0, mean)[..., ::2]
+    if layout == "sliced":
+        return make((*shape, C + 5), torch.float32, 1.0, mean)[..., 3:3 + C]
+    return make((C,), torch.float32, 1.0, mean).expand(*shape, C)
+
+
+@pytest.mark.parametrize("layout", ["strided", "sliced", "expanded"])
+def test_large_mean_strided_inputs_under_autocast(layout):
+    C, H, act = 40, 64, "swiglu"
+    tensors = _ln_mlp_tensors(act, C, H, 0.0)
+    tensors[0] = strided_x(layout, (3, 7), C, 1000.0)
+    check_ln_mlp_16bit(act, tensors, torch.float16, True, make((3, 7, C), torch.float32), layout)
+
+
+def test_rounding_x_before_the_layernorm_is_what_fails():
+    """The test above can fail: the same check on eager LayerNorm + MLP fed x rounded to fp16 first (what
+    the fold once did under autocast) is far outside the rule."""
+    C, H = 48, 64
+    x, w1, b1, w2, b2, g, beta = _ln_mlp_tensors("gelu", C, H, 1000.0)
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        eager = eager_ln_mlp(x, w1, b1, w2, b2, g, beta, "gelu")
+        rounded_first = eager_ln_mlp(x.half().float(), w1, b1, w2, b2, g, beta, "gelu")
+    ref = eager_ln_mlp(*(t.double() for t in (x, w1, b1, w2, b2, g, beta)), "gelu")
+    with pytest.raises(AssertionError, match="fused error"):
+        assert_no_worse_than_eager(rounded_first, eager, ref, "x rounded first", compute_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("act", ["relu", "relu2", "gelu", "swiglu"])
+@pytest.mark.parametrize("special", [float("nan"), float("inf")])
+def test_nan_and_inf_reach_output_and_gradients_like_eager(act, special):
+    """A non-finite value in one row of the LayerNorm's input: output and every gradient non-finite exactly
+    where eager's are (eager LayerNorm turns the whole row NaN)."""
+    tensors = _ln_mlp_tensors(act, 32, 32, 0.0, shape=(6,))
+    tensors[0][2, 5] = special
+    grad_y = make((6, 32), torch.float32)
+
+    def run(fn, ts):
+        leaves = [t.detach().requires_grad_() for t in ts]
+        y = fn(*leaves)
+        y.backward(grad_y)
+        return [y] + [t.grad for t in leaves]
+
+    fused = run(lambda x, w1, b1, w2, b2, gg, bb: fused_mlp(x, w1, b1, w2, b2, act, gg, bb, EPS), tensors)
+    eager = run(lambda *t: eager_ln_mlp(*t, act), tensors)
+    assert eager[0][2].isnan().all()
+    for name, f, e in zip(["y", "x", "w_fc", "b_fc", "w_proj", "b_proj", "ln_weight", "ln_bias"], fused, eager):
+        assert torch.equal(f.isnan(), e.isnan()) and torch.equal(f.isinf(), e.isinf()), f"{act} {special} {name}"
+
+
+def test_fold_compiles_under_autocast():
+    """Under autocast the folded op gets an fp32 x beside 16-bit weights: its fake implementation must give
+    the outputs the weights' dtype (and the backward's recomputed LayerNorm grad_ln's), as the kernels do."""
+    tensors = [t.requires_grad_() if t is not None else None for t in _ln_mlp_tensors("gelu", 32, 64, 100.0)]
+
+    def fn(x, w1, b1, w2, b2, g, beta):
+        with torch.autocast(DEVICE, dtype=torch.float16):
+            return fused_mlp(x, w1, b1, w2, b2, "gelu", g, beta, EPS)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for f in (compiled, fn):
+        y = f(*tensors)
+        grads = torch.autograd.grad(y.float().square().sum(), tensors)
+        results.append([y] + list(grads))
+    for c, e in zip(*results):
+        assert c.dtype == e.dtype and torch.equal(c, e)
