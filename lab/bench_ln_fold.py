@@ -3,7 +3,7 @@ LayerNorm followed by the unfolded fused MLP, the eager pair, and torch.compile 
 
     python lab/bench_ln_fold.py --out lab/results/ln_fold_h100.json
 
-bf16, GPT-2 small size (M = 12288 tokens, C = 768); medians of triton.testing.do_bench (GPU + CPU launch
+bf16 modules, then fp32 modules under bf16 autocast (as train.py runs); GPT-2 small size (M = 12288, C = 768); medians of triton.testing.do_bench (GPU + CPU launch
 time) and CUDA-graph replays (GPU time alone). Also times the LayerNorm alone: the most the fold can save
 is what the separate LayerNorm costs. Ends with a torch.profiler breakdown of the two fused paths.
 """
@@ -24,8 +24,11 @@ from triton.testing import do_bench, do_bench_cudagraph
 from model import MLP, GPTConfig
 
 
-def case(C, M, activation, dtype=torch.bfloat16):
+def case(C, M, activation, dtype=torch.bfloat16, autocast=False):
+    """autocast=True: fp32 modules and input under bf16 autocast, as train.py runs (the fold then reads fp32 x)."""
     torch.manual_seed(0)
+    if autocast:
+        dtype = torch.float32
     cfg = GPTConfig(n_embd=C, n_head=12, activation=activation, mlp="fused", fuse_ln=True)
     ln = torch.nn.LayerNorm(C).cuda().to(dtype)
     with torch.no_grad():  # a non-trivial γ, β
@@ -51,10 +54,12 @@ def case(C, M, activation, dtype=torch.bfloat16):
     x64 = x.detach().double()
     ln64 = torch.nn.LayerNorm(C).cuda().double()
     ln64.load_state_dict(ln.state_dict())
-    mlp64 = MLP(cfg).cuda().double()
+    mlp64 = MLP(GPTConfig(n_embd=C, n_head=12, activation=activation)).cuda().double()  # eager: fp64 reference
     mlp64.load_state_dict(eager.state_dict())
     ref = mlp64(x64, ln64)
-    row = {"C": C, "M": M, "activation": activation}
+    if autocast:
+        paths = {name: (lambda fn=fn: _autocast_call(fn)) for name, fn in paths.items()}
+    row = {"C": C, "M": M, "activation": activation + (" (bf16 autocast)" if autocast else "")}
     for name, fn in paths.items():
         if name != "LN alone":
             with torch.no_grad():
@@ -68,7 +73,7 @@ def case(C, M, activation, dtype=torch.bfloat16):
         except Exception as e:  # noqa: BLE001  (e.g. a path that cannot be captured)
             row[f"{name} fwd+bwd graph ms"] = None
             print(f"{name}: no CUDA-graph timing ({type(e).__name__}: {str(e)[:100]})")
-    if activation == "gelu":
+    if activation == "gelu" and not autocast:
         for name in ("LN + fused MLP", "fused MLP with LN folded"):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
@@ -80,11 +85,16 @@ def case(C, M, activation, dtype=torch.bfloat16):
     return row
 
 
+def _autocast_call(fn):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return fn()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="lab/results/ln_fold.json")
     args = ap.parse_args()
-    rows = [case(768, 12288, act) for act in ("gelu", "swiglu")]
+    rows = [case(768, 12288, act, autocast=ac) for ac in (False, True) for act in ("gelu", "swiglu")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "triton": triton.__version__, "commit": commit, "dtype": "bfloat16"}
