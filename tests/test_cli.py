@@ -91,6 +91,35 @@ def test_fused_mlp_where_the_kernels_cannot_run(dataset, tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_fused_mlp_without_triton_or_from_a_checkpoint(trained, tmp_path, monkeypatch):
+    import fused_ops
+    import sample
+
+    def no_triton(required):
+        try:
+            raise ModuleNotFoundError("No module named 'triton'")
+        except ImportError as e:
+            raise ImportError("mlp='fused' needs Triton") from e
+
+    with monkeypatch.context() as m:
+        m.setattr(train.model, "import_fused_ops", no_triton)
+        with pytest.raises(errors.UsageError, match=r"^--mlp=fused needs Triton, which cannot be imported here \(No "
+                                                    r"module named 'triton'\): use --mlp=auto or --mlp=eager"):
+            train.check_mlp("fused", "cpu")
+        train.check_mlp("auto", "cpu")  # "auto" runs PyTorch where the kernels cannot run
+    # A checkpoint trained with the kernels (on a GPU), sampled where they cannot run: names the file and --mlp.
+    out = tmp_path / "out"
+    out.mkdir()
+    ckpt = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)
+    ckpt["model_args"]["mlp"] = "fused"
+    torch.save(ckpt, out / "ckpt.pt")
+    monkeypatch.setattr(fused_ops, "kernels_can_run", lambda x: False)  # as on a CPU without the interpreter
+    with pytest.raises(errors.UsageError, match=rf"^{re.escape(str(out / 'ckpt.pt'))} has mlp='fused', which runs "
+                                                r"Triton kernels, .* the device is cpu: use --mlp=auto or --mlp=eager"):
+        sample.main([f"--out_dir={out}", "--device=cpu"])
+    assert sample.main([f"--out_dir={out}", "--device=cpu", "--mlp=eager", "--num_samples=1", "--max_new_tokens=2"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only message")
 def test_bench_mlp_needs_a_gpu():
     line = one_line_error(script("bench_mlp.py"), "bench_mlp.py", 2)
