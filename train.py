@@ -37,8 +37,8 @@ from tqdm import tqdm
 
 import data
 import errors
-from configurator import ConfigError, parse_config
 import model
+from configurator import ConfigError, parse_config
 from model import GPT, GPTConfig
 
 DEFAULTS = dict(
