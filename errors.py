@@ -5,6 +5,9 @@ expected failure.
     RunError    the run itself failed (diverged, out of memory, damaged checkpoint):           exit status 1
     Stopped     the run was asked to stop (Ctrl-C, SIGTERM) and stopped cleanly:            128 + the signal
 
+Output cut off by its reader (`sample.py ... | head`) ends quietly with status 141 (128 + SIGPIPE, what a shell
+reports for a tool killed by it, so `set -o pipefail` scripts still see that the output was not all read).
+
 Anything else is a bug and keeps its traceback. Set DEBUG=1 in the environment to get tracebacks for the
 expected failures too. check_device is the one check every entry point makes before using a device.
 """
@@ -41,6 +44,14 @@ def run_main(script, main, argv=None, quiet=False):
     quiet=True prints nothing (ranks other than 0 under torchrun) but still returns the status."""
     try:
         main(argv)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+    except BrokenPipeError:
+        # The reader is gone. Point stdout at devnull so that the flush at exit does not fail again (as the
+        # Python docs on SIGPIPE recommend), and say nothing: the user stopped reading on purpose.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + getattr(signal, "SIGPIPE", 13)  # 141
     except (UsageError, RunError, Stopped) as e:
         if os.environ.get("DEBUG"):
             raise

@@ -283,7 +283,7 @@ class GPT(nn.Module):
         name_or_path: gpt2, gpt2-medium, gpt2-large or gpt2-xl (read from the Hugging Face cache, downloaded
         when online), or a folder holding a Hugging Face GPT-2 checkpoint (config.json with model.safetensors
         or pytorch_model.bin). The architecture comes from config.json; only these may be overridden:
-        mlp ("eager" | "fused" | "auto"), dropout, block_size (crops the position table).
+        mlp ("eager" | "fused" | "auto"), dropout, block_size (crops the position table), fuse_ln.
         """
         unknown = sorted(set(overrides) - set(PRETRAINED_OVERRIDES))
         if unknown:
@@ -297,7 +297,7 @@ class GPT(nn.Module):
                                     f"positions (n_positions in {config_file}); pass an integer in 1..{shape['block_size']}")
         try:  # exactly GPT-2: biases everywhere, its 50257 tokens (unpadded) and the tanh GELU
             config = GPTConfig(**shape, vocab_size=GPT2_VOCAB_SIZE, bias=True, activation="gelu_tanh", **overrides)
-        except ValueError as e:  # a bad mlp or dropout
+        except ValueError as e:  # a bad mlp or dropout, fuse_ln with mlp="eager"
             raise errors.UsageError(str(e)) from e
         model = cls(config)
         load_gpt2_weights(model, weight_files)
@@ -364,7 +364,7 @@ GPT2_NAMES = {  # our name -> its Hugging Face hub repository
     "gpt2-xl": "openai-community/gpt2-xl",  # 1558M
 }
 GPT2_VOCAB_SIZE = 50257
-PRETRAINED_OVERRIDES = ("mlp", "dropout", "block_size")
+PRETRAINED_OVERRIDES = ("mlp", "dropout", "block_size", "fuse_ln")  # how to run it, not its architecture
 # transformers' names for the tanh approximation of GELU (GPT-2's "gelu_new"): our gelu_tanh.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 # The checkpoint files, preferred first; a sharded checkpoint has an index naming its files instead.

@@ -21,17 +21,20 @@ import torch
 import data
 import errors
 from model import GPT, GPTConfig
-from train import read_checkpoint
+from train import check_mlp, read_checkpoint
 
 
 def load_checkpoint(out_dir, device="cpu", mlp=None):
     """The model (in eval mode, on device) and the checkpoint dict from out_dir/ckpt.pt."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path}; train one first, e.g. python train.py configs/shakespeare_char_cpu.py")
+        raise errors.UsageError(f"no checkpoint at {path}; train one first, e.g. python train.py "
+                                "configs/shakespeare_char_cpu.py")
     ckpt = read_checkpoint(path, keys=("model", "model_args", "meta"))  # one line if damaged or foreign
     model_args = {**ckpt["model_args"], "dropout": 0.0}
-    if mlp is not None:
+    if mlp is None:  # the checkpoint's choice, which may not run here (trained with the kernels on a GPU)
+        check_mlp(model_args["mlp"], device, source=f"{path} has mlp='fused', which")
+    else:
         model_args["mlp"] = mlp
         if mlp == "eager":  # folding the LayerNorm is a way to compute, not a parameter: eager simply does not fold
             model_args["fuse_ln"] = False
@@ -74,6 +77,7 @@ def main(argv=None):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     errors.check_device(device)  # one line naming --device if this machine has no such device
+    check_mlp(args.mlp, device)  # one line naming --mlp if the kernels cannot run here
     device_type = device.split(":")[0]
     dtype = args.dtype
     if dtype == "auto":
@@ -89,11 +93,13 @@ def main(argv=None):
     encode, decode = data.get_tokenizer(meta)
     start = args.start
     if start is not None and start.startswith("FILE:"):
-        with open(start[5:], encoding="utf-8") as f:
-            start = f.read()
-    ids = data.start_ids(meta, encode, start)  # ValueError for characters a char vocabulary lacks
+        start = read_prompt(start[5:])
+    try:
+        ids = data.start_ids(meta, encode, start)
+    except ValueError as e:  # characters a char vocabulary lacks (named in the message)
+        raise errors.UsageError(f"--start: {e}") from None
     if not ids:
-        raise ValueError("the prompt is empty after encoding; give --start some text")
+        raise errors.UsageError("the prompt is empty after encoding; give --start some text")
     x = torch.tensor([ids], dtype=torch.long, device=device)
 
     torch.manual_seed(args.seed)
@@ -111,16 +117,20 @@ def main(argv=None):
     return samples
 
 
-def checked_main(argv=None):
-    """main(), with a missing file or a prompt the vocabulary cannot encode as bad usage (exit status 2)."""
+def read_prompt(path):
+    """The text of --start=FILE:path; a file that is missing, unreadable or not UTF-8 is one line naming it."""
     try:
-        main(argv)
-    except (FileNotFoundError, ValueError) as e:
-        raise errors.UsageError(str(e)) from e
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise errors.UsageError(f"--start=FILE:{path}: {path} is not UTF-8 text (byte {e.object[e.start]:#04x} "
+                                f"at offset {e.start}); save the prompt as UTF-8") from None
+    except OSError as e:
+        raise errors.UsageError(f"--start=FILE:{path}: cannot read {path} ({e.strerror})") from None
 
 
 def cli():
-    return errors.run_main("sample.py", checked_main)
+    return errors.run_main("sample.py", main)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ Train a GPT (model.py) on a prepared dataset (data.py): one process, or many wit
 Settings: DEFAULTS below, overridden by config files, then by --key=value (configurator.py checks both).
 Writes out_dir/ckpt.pt (atomically, keeping the one before as ckpt.pt.prev), out_dir/log.jsonl (every eval
 and logged step) and out_dir/loss.png. Ctrl-C (or SIGTERM) stops at the end of the step, saves a checkpoint
-and prints the command that resumes; a second Ctrl-C quits at once.
+and prints the command that resumes; a second Ctrl-C quits at once. With always_save_checkpoint=False the
+best checkpoint (lowest val loss) is also kept as out_dir/ckpt_best.pt, which a stop's checkpoint never replaces.
 
 Read main() and train() first: they are the whole story, and each function below them is one step of it.
 """
@@ -36,6 +37,7 @@ from tqdm import tqdm
 
 import data
 import errors
+import model
 from configurator import ConfigError, parse_config
 from model import GPT, GPTConfig
 
@@ -117,6 +119,7 @@ def main(argv=None):
                           f"the number of processes ({world}): each does an equal share of the micro-steps")
     device = resolve_device(cfg["device"], int(os.environ["LOCAL_RANK"]) if ddp else None)
     device_type = device.split(":")[0]
+    check_mlp(cfg["mlp"], device)  # before any data is prepared
     if ddp:
         if device_type == "cuda":
             torch.cuda.set_device(device)
@@ -125,12 +128,15 @@ def main(argv=None):
     # backward to a thread of its own and waits for it: that buys nothing here, and on the H100 hosts measured
     # the handoff cost more host time than the work (lab/launch_overhead.py, bench.py --backward_thread;
     # docs/performance.md). Not tried under DDP, which keeps PyTorch's default.
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # train() turns TF32 on
     try:
         with torch.autograd.set_multithreading_enabled(ddp or device_type != "cuda"):
             return train(Run(cfg, argv, device, rank, world), ckpt)
     except torch.OutOfMemoryError as e:
         raise out_of_memory(cfg, device, e) from None
     finally:
+        # put back for whatever runs next in this process (a test suite, a notebook)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         if ddp:
             dist.destroy_process_group()
 
@@ -141,7 +147,7 @@ def train(run, ckpt):
     if run.device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     run.dtype, run.autocast = precision(cfg["dtype"], run.device_type)
-    run.data_dir, run.meta = prepare_data(cfg)
+    run.data_dir, run.meta = prepare_data(cfg, run.world)
     run.raw_model, run.model_args = build_model(cfg, ckpt, run.meta, run.data_dir)
     run.raw_model.to(run.device)
     run.optimizer, run.scaler = make_optimizer(run.raw_model, cfg, run.dtype, run.device_type)
@@ -243,6 +249,22 @@ def resolve_device(name, local_rank):
     return errors.check_device(name, arg="--device")
 
 
+def check_mlp(mlp, device, source="--mlp=fused"):
+    """mlp="fused" runs the Triton kernels: Triton must import, and they take CUDA tensors (or CPU ones under
+    Triton's interpreter, TRITON_INTERPRET=1 set before Triton is imported). Otherwise one line naming --mlp,
+    before any work; source says where the setting came from (the command line, or a checkpoint)."""
+    if mlp != "fused":
+        return
+    try:
+        fused_ops = model.import_fused_ops(required=True)
+    except ImportError as e:
+        raise errors.UsageError(f"{source} needs Triton, which cannot be imported here ({e.__cause__ or e}): "
+                                "use --mlp=auto or --mlp=eager (or install triton)") from None
+    if not (device.startswith("cuda") or (device == "cpu" and fused_ops.kernels_can_run(torch.empty(0)))):
+        raise errors.UsageError(f"{source} runs Triton kernels, which need a CUDA GPU (or TRITON_INTERPRET=1 on the "
+                                f"CPU, very slow), and the device is {device}: use --mlp=auto or --mlp=eager")
+
+
 def precision(dtype, device_type):
     """(dtype name, autocast context): "auto" is bf16 on GPUs that have it, else fp16 on CUDA, fp32 elsewhere."""
     if dtype == "auto":
@@ -294,6 +316,7 @@ class Run:
     mfu: float = None
     losses: dict = None
     stop_agreed: bool = False  # every process has seen a stop request by the end of this step
+    ckpt_evaluated: bool = False  # ckpt.pt was written after an eval (with always_save_checkpoint=False: the best)
 
     @property
     def master(self):
@@ -316,6 +339,10 @@ class Run:
         return os.path.join(self.cfg["out_dir"], "ckpt.pt")
 
     @property
+    def best_path(self):  # the best checkpoint, kept when always_save_checkpoint=False (see keep_best)
+        return os.path.join(self.cfg["out_dir"], "ckpt_best.pt")
+
+    @property
     def log_path(self):
         return os.path.join(self.cfg["out_dir"], "log.jsonl")
 
@@ -323,13 +350,31 @@ class Run:
 # -----------------------------------------------------------------------------
 # data
 
-def prepare_data(cfg):
-    """The dataset's folder (prepared on first use, data.py) and its metadata."""
+def prepare_data(cfg, world=1):
+    """The dataset's folder (prepared on first use, data.py) and its metadata. Under torchrun only rank 0
+    prepares it (several processes writing the same files would collide); the others wait for its answer."""
+    if world == 1:
+        data_dir = find_or_prepare(cfg)
+    else:
+        answer = [None]
+        if dist.get_rank() == 0:
+            try:
+                answer[0] = data_dir = find_or_prepare(cfg)
+            finally:  # on failure the others get None and stop too (rank 0's error is the one printed)
+                dist.broadcast_object_list(answer, src=0)
+        else:
+            dist.broadcast_object_list(answer, src=0)
+            if answer[0] is None:
+                raise errors.RunError(f"rank 0 could not prepare dataset {cfg['dataset']!r}")
+            data_dir = answer[0]
+    return data_dir, data.load_meta(data_dir)
+
+
+def find_or_prepare(cfg):
     try:
-        data_dir = data.ensure_dataset(cfg["dataset"], data_root=cfg["data_root"])
+        return data.ensure_dataset(cfg["dataset"], data_root=cfg["data_root"])
     except FileNotFoundError as e:
         raise ConfigError(f"dataset {cfg['dataset']!r}: {e}") from e
-    return data_dir, data.load_meta(data_dir)
 
 
 class Batches:
@@ -394,7 +439,8 @@ def load_pretrained(cfg, meta):
                           f"{meta['tokenizer']} vocabulary of {meta['vocab_size']} tokens: use a dataset prepared with "
                           "--tokenizer=gpt2 (e.g. --dataset=shakespeare)")
     try:
-        model = GPT.from_pretrained(name, mlp=cfg["mlp"], dropout=cfg["dropout"], block_size=cfg["block_size"])
+        model = GPT.from_pretrained(name, mlp=cfg["mlp"], dropout=cfg["dropout"], block_size=cfg["block_size"],
+                                    fuse_ln=cfg["fuse_ln"])
     except (OSError, ValueError) as e:  # not downloadable offline, a folder without the files, a bad block_size
         raise ConfigError(f"init_from={name!r}: {e}") from e
     model_args = {k: getattr(model.config, k) for k in (*MODEL_KEYS, "vocab_size")}
@@ -557,6 +603,7 @@ def evaluate(run, lr, bar):
     if not cfg["eval_only"] and (losses["val"] < run.best_val or cfg["always_save_checkpoint"]):
         run.best_val = min(run.best_val, losses["val"])
         save(run, evaluated=True)
+        keep_best(run)
 
 
 def diverged(run, what, value, lr):
@@ -601,7 +648,14 @@ def save(run, evaluated):
                          "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
                          "model_args": run.model_args, "config": run.cfg, "meta": run.meta, "iter_num": run.iter_num,
                          "best_val_loss": run.best_val, "rng": states, "evaluated": evaluated}, run.ckpt_path)
-    run.last_saved = run.iter_num
+    run.last_saved, run.ckpt_evaluated = run.iter_num, evaluated
+
+
+def keep_best(run):
+    """With always_save_checkpoint=False, ckpt.pt written by an eval is the best so far: give it a second name,
+    ckpt_best.pt (a hard link, or a copy), which a stop's checkpoint then written to ckpt.pt does not replace."""
+    if run.master and not run.cfg["always_save_checkpoint"] and run.ckpt_evaluated and os.path.isfile(run.ckpt_path):
+        link_or_copy(run.ckpt_path, run.best_path)
 
 
 def restore(run, ckpt):
@@ -611,7 +665,8 @@ def restore(run, ckpt):
         run.scaler.load_state_dict(ckpt["scaler"])
     run.iter_num, run.best_val = ckpt["iter_num"], ckpt["best_val_loss"]
     run.last_saved = run.resumed_at = run.iter_num
-    run.evaluated_at = run.iter_num if ckpt.get("evaluated", True) else None
+    run.ckpt_evaluated = ckpt.get("evaluated", True)
+    run.evaluated_at = run.iter_num if run.ckpt_evaluated else None
     if len(ckpt["rng"]) == run.world:
         set_rng_state(ckpt["rng"][run.rank], run.batches, run.device_type)
     else:  # fresh streams that at least do not repeat the first iterations' batches
@@ -669,15 +724,20 @@ def save_checkpoint(ckpt, path):
 def keep_previous(path):
     """Make path.prev a second name of the file at path (a hard link costs no space until path is replaced);
     the old path.prev goes only once the new one is complete. A copy where links are not supported."""
-    if not os.path.isfile(path):
-        return
-    prev, tmp = f"{path}.prev", f"{path}.prev.tmp{os.getpid()}"
+    if os.path.isfile(path):
+        link_or_copy(path, f"{path}.prev")
+
+
+def link_or_copy(path, dest):
+    """Make dest a second name of path (a hard link; a copy where links are not supported), replacing dest
+    only once the new one is complete."""
+    tmp = f"{dest}.tmp{os.getpid()}"
     try:
         try:
             os.link(path, tmp)
         except OSError:
             shutil.copyfile(path, tmp)
-        os.replace(tmp, prev)
+        os.replace(tmp, dest)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -735,8 +795,10 @@ def start_log(path, resume_iter):
         with open(path) as f:
             records = [json.loads(line) for line in f if line.strip()]
         records = [r for r in records if r["iter"] < resume_iter or (r["iter"] == resume_iter and r["type"] == "eval")]
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp{os.getpid()}"  # the old log stays whole until the new one is written
+    with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(tmp, path)
 
 
 def write_log(run, record):
@@ -809,31 +871,53 @@ class StopOnSignal:
             signal.signal(s, handler)
 
     def handle(self, signum, frame):
+        # Messages go straight to file descriptor 2: print() here could interrupt a write to sys.stderr in
+        # progress (tqdm's) and fail with "reentrant call".
         if self.signum is not None:
             if time.monotonic() - self.first_at < self.grace:
                 return
-            if self.master:
-                print(f"train.py: {signal.Signals(signum).name} again: quitting now, without saving; the last "
-                      "checkpoint is kept", file=sys.stderr, flush=True)
+            self.say(f"train.py: {signal.Signals(signum).name} again: quitting now, without saving; the last "
+                     "checkpoint is kept\n")
             raise KeyboardInterrupt
-        self.signum, self.first_at = signum, time.monotonic()
+        self.first_at = time.monotonic()  # before signum: a second signal arriving between them reads it
+        self.signum = signum
+        self.say(f"\ntrain.py: {signal.Signals(signum).name}: stopping after this step to save a checkpoint "
+                 "(Ctrl-C again to quit at once)\n")
+
+    def say(self, text):
         if self.master:
-            print(f"\ntrain.py: {signal.Signals(signum).name}: stopping after this step to save a checkpoint "
-                  "(Ctrl-C again to quit at once)", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                os.write(2, text.encode())
 
 
 def stop_and_save(run, signum):
-    """Save where the loop is (between two steps) and stop, saying how to continue."""
+    """Save where the loop is (between two steps) and stop, saying how to continue. With
+    always_save_checkpoint=False ckpt.pt may hold the best model so far: it is kept as ckpt_best.pt first."""
+    keep_best(run)
     save(run, evaluated=False)
+    best = ""
+    if not run.cfg["always_save_checkpoint"] and os.path.isfile(run.best_path):
+        best = f" (the best checkpoint, val loss {run.best_val:.4f}, is kept as {run.best_path})"
     raise errors.Stopped(signum, f"stopped by {signal.Signals(signum).name} at iter {run.iter_num}; checkpoint "
-                                 f"written to {run.ckpt_path}. Resume with:\n  {resume_command(run)}")
+                                 f"written to {run.ckpt_path}{best}. Resume with:\n  {resume_command(run)}")
 
 
 def resume_command(run):
     """This run's command line with --init_from=resume (the checkpoint holds the rest of the settings)."""
     args = [a for a in run.argv if a[2:].partition("=")[0].replace("-", "_") != "init_from"]
-    launcher = ["python"] if run.world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={run.world}"]
+    launcher = [python_command()] if run.world == 1 else ["torchrun", "--standalone", f"--nproc_per_node={run.world}"]
     return shlex.join([*launcher, "train.py", *args, "--init_from=resume"])
+
+
+def python_command():
+    """"python" when that is the interpreter running now (found first on PATH), else this interpreter's path."""
+    found, here = shutil.which("python"), sys.executable
+    if found and os.path.basename(here).startswith("python") and os.path.dirname(os.path.abspath(found)) == \
+            os.path.dirname(os.path.abspath(here)):
+        with contextlib.suppress(OSError):
+            if os.path.samefile(found, here):
+                return "python"
+    return here
 
 
 def cli():

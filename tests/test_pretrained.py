@@ -23,6 +23,8 @@ from model import GPT
 from numerics import assert_no_worse_than_eager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the fused kernels run: a GPU if there is one (without one, conftest sets Triton's CPU interpreter).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)  # vocab_size is GPT-2's 50257, as the loader requires
 
 
@@ -75,7 +77,7 @@ def test_saved_layouts_are_the_ones_meant(tiny):
 
 
 @pytest.mark.parametrize("layout", ["safetensors", "bin", "sharded"])
-@pytest.mark.parametrize("mlp", ["eager", "fused"])  # fused: our Triton kernels, through the CPU interpreter
+@pytest.mark.parametrize("mlp", ["eager", "fused"])  # fused: our Triton kernels (the CPU interpreter without a GPU)
 def test_same_logits_as_transformers(tiny, layout, mlp):
     hf, folders = tiny[0], dict(zip(["safetensors", "bin", "sharded"], tiny[1:]))
     model = GPT.from_pretrained(str(folders[layout]), mlp=mlp).eval()
@@ -84,9 +86,11 @@ def test_same_logits_as_transformers(tiny, layout, mlp):
     assert (cfg.vocab_size, cfg.bias, cfg.activation, cfg.mlp) == (50257, True, "gelu_tanh", mlp)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
-    idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
+    device = DEVICE if mlp == "fused" else "cpu"  # the kernels take CUDA tensors where there is a GPU
+    model, idx = model.to(device), torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ours, theirs = all_logits(model, idx), hf(idx).logits
+        ours = all_logits(model, idx.to(device)).cpu()
+        theirs = hf(idx).logits
         reference = hf.double()(idx).logits
         hf.float()
     assert ours.shape == theirs.shape == (2, 64, 50257)
@@ -124,7 +128,11 @@ def test_half_precision_file_loads_as_fp32(tiny, tmp_path):
 
 def test_dropout_and_mlp_overrides(tiny):
     model = GPT.from_pretrained(str(tiny[1]), mlp="auto", dropout=0.1)
-    assert (model.config.mlp, model.config.dropout) == ("auto", 0.1)
+    assert (model.config.mlp, model.config.dropout, model.config.fuse_ln) == ("auto", 0.1, False)
+    model = GPT.from_pretrained(str(tiny[1]), mlp="fused", fuse_ln=True)  # how to run it, not its architecture
+    assert model.config.fuse_ln is True and all(block.mlp.fuse_ln for block in model.transformer.h)
+    with pytest.raises(errors.UsageError, match="'fuse_ln' folds the LayerNorm into the fused MLP"):
+        GPT.from_pretrained(str(tiny[1]), mlp="eager", fuse_ln=True)
     with pytest.raises(errors.UsageError, match="config key 'mlp' must be one of"):
         GPT.from_pretrained(str(tiny[1]), mlp="fast")
 
@@ -174,7 +182,7 @@ def test_clear_errors(tiny, tmp_path):
     (tmp_path / "no_weights").mkdir()
     shutil.copy(good / "config.json", tmp_path / "no_weights")
     error("no_weights has config.json but no weights: expected model.safetensors or", tmp_path / "no_weights")
-    error("override 'n_layer' is not allowed: .* only mlp, dropout, block_size", good, n_layer=3)
+    error("override 'n_layer' is not allowed: .* only mlp, dropout, block_size, fuse_ln", good, n_layer=3)
 
     wrong = {**tensors, "transformer.h.1.mlp.c_fc.weight": torch.zeros(32, 100)}
     error(r"model.safetensors: tensor 'transformer.h.1.mlp.c_fc.weight' has shape \(32, 100\), but its config.json "

@@ -1,17 +1,22 @@
 """sample.py on a checkpoint from a short tiny training run."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import data
+import errors
 import sample
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the fused kernels run: a GPU if there is one (without one, conftest sets Triton's CPU interpreter).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +58,13 @@ def test_sampling_same_seed_same_tokens(out_dir):
 
 
 def test_loads_into_another_mlp_kind(out_dir):
-    # Trained with mlp="eager"; the fused MLP (run by Triton's CPU interpreter under the test conftest)
-    # owns the same parameters, so the checkpoint loads and greedy decoding agrees.
-    model, _ = sample.load_checkpoint(out_dir, "cpu", mlp="fused")
+    # Trained with mlp="eager"; the fused MLP (on the GPU, or run by Triton's CPU interpreter under the test
+    # conftest) owns the same parameters, so the checkpoint loads and greedy decoding agrees.
+    model, _ = sample.load_checkpoint(out_dir, DEVICE, mlp="fused")
     assert model.config.mlp == "fused"
-    eager = sample.main([f"--out_dir={out_dir}", "--device=cpu", "--start=KING", "--num_samples=1",
-                         "--max_new_tokens=4", "--top_k=1"])
-    fused = sample.main([f"--out_dir={out_dir}", "--device=cpu", "--start=KING", "--num_samples=1",
-                         "--max_new_tokens=4", "--top_k=1", "--mlp=fused"])
-    assert eager == fused
+    common = [f"--out_dir={out_dir}", f"--device={DEVICE}", "--dtype=float32", "--start=KING", "--num_samples=1",
+              "--max_new_tokens=4", "--top_k=1"]
+    assert sample.main(common) == sample.main(common + ["--mlp=fused"])
 
 
 def test_prompt_from_file(out_dir, tmp_path):
@@ -73,10 +76,17 @@ def test_prompt_from_file(out_dir, tmp_path):
 
 
 def test_clear_errors(out_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*ckpt.pt"):
+    with pytest.raises(errors.UsageError, match=r"no checkpoint at .*ckpt.pt"):
         sample.main([f"--out_dir={tmp_path}", "--device=cpu"])
-    with pytest.raises(ValueError, match="not in this dataset's vocabulary"):
+    with pytest.raises(errors.UsageError, match="--start: character 'Z' is not in this dataset's vocabulary"):
         sample.main([f"--out_dir={out_dir}", "--device=cpu", "--start=Z"])
+    latin1 = tmp_path / "prompt.txt"
+    latin1.write_bytes("KING caf\u00e9".encode("latin-1"))
+    with pytest.raises(errors.UsageError, match=re.escape(f"--start=FILE:{latin1}: {latin1} is not UTF-8 text "
+                                                          "(byte 0xe9 at offset 8)")):
+        sample.main([f"--out_dir={out_dir}", "--device=cpu", f"--start=FILE:{latin1}"])
+    with pytest.raises(errors.UsageError, match=r"--start=FILE:no/such.txt: cannot read no/such.txt"):
+        sample.main([f"--out_dir={out_dir}", "--device=cpu", "--start=FILE:no/such.txt"])
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 2 and "sample.py: error: no checkpoint at" in proc.stderr and "Traceback" not in proc.stderr
@@ -99,5 +109,17 @@ def test_vocabulary_without_newline(tmp_path, capsys):
     samples = sample.main([f"--out_dir={out}", "--device=cpu", "--num_samples=1", "--max_new_tokens=5"])
     assert samples[0].startswith(" ") and len(samples[0]) == 6
     assert "no '\\n'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"characters 'Z', '\\n' are not in this dataset's vocabulary"):
+    with pytest.raises(errors.UsageError, match=r"characters 'Z', '\\n' are not in this dataset's vocabulary"):
         sample.main([f"--out_dir={out}", "--device=cpu", "--start=the Zoo\nZ"])
+
+
+def test_output_cut_short_by_its_reader_is_quiet(out_dir):
+    """`sample.py ... | head`: the reader goes away; no BrokenPipeError traceback, status 141 (128 + SIGPIPE)."""
+    proc = subprocess.Popen([sys.executable, "sample.py", f"--out_dir={out_dir}", "--device=cpu", "--num_samples=50",
+                             "--max_new_tokens=10"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_INTERPRET": "0"})
+    proc.stdout.readline()
+    proc.stdout.close()  # as head does after its lines
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == "", err

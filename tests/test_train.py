@@ -257,7 +257,7 @@ def test_one_gpu_runs_backward_on_the_calling_thread(dataset, tmp_path, monkeypa
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory):
     """A tiny random GPT-2 in the Hugging Face format (what save_pretrained writes), made offline."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency (.ci/run installs it); imported here, only by the tests that use it
     folder = tmp_path_factory.mktemp("tiny_gpt2")
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2)
@@ -295,6 +295,31 @@ def test_init_from_a_gpt2_folder_trains_resumes_and_samples(gpt2_folder, bpe_dat
     assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=3"])["iter_num"] == 3
     text = sample.main([f"--out_dir={out}", "--device=cpu", "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=5"])
     assert text[0].startswith("ROMEO:")
+
+
+@pytest.mark.parametrize("mlp, fuse_ln", [("auto", True), ("fused", False), ("eager", False)])
+def test_init_from_a_gpt2_folder_builds_the_model_configured(gpt2_folder, mlp, fuse_ln):
+    """The run's mlp and fuse_ln reach the GPT-2 model built (not only the config saved with it, which a resume
+    would then follow)."""
+    cfg = dict(train.DEFAULTS, init_from=gpt2_folder, block_size=32, mlp=mlp, fuse_ln=fuse_ln)
+    model, model_args = train.build_model(cfg, None, {"tokenizer": "gpt2", "vocab_size": 50257}, "unused")
+    assert (model.config.mlp, model.config.fuse_ln) == (mlp, fuse_ln)
+    assert (model_args["mlp"], model_args["fuse_ln"]) == (mlp, fuse_ln)
+    assert all(block.mlp.fuse_ln is fuse_ln for block in model.transformer.h)
+    with pytest.raises(train.errors.UsageError, match="'fuse_ln' folds the LayerNorm into the fused MLP: it needs"):
+        train.build_model(dict(cfg, mlp="eager", fuse_ln=True), None, {"tokenizer": "gpt2", "vocab_size": 50257}, "")
+
+
+def test_start_log_on_resume_replaces_the_log_whole(tmp_path):
+    path = str(tmp_path / "log.jsonl")
+    records = [{"type": "step", "iter": i} for i in range(6)] + [{"type": "eval", "iter": 4}]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    inode = os.stat(path).st_ino
+    train.start_log(path, 4)
+    assert [(r["type"], r["iter"]) for r in read_log(tmp_path)] == [("step", i) for i in range(4)] + [("eval", 4)]
+    assert os.stat(path).st_ino != inode  # a new file renamed over the old one, not the old one cut in place
+    assert os.listdir(tmp_path) == ["log.jsonl"]
 
 
 def test_init_from_gpt2_needs_a_gpt2_vocabulary(gpt2_folder, dataset, tmp_path):
