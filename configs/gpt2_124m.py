@@ -39,4 +39,4 @@ min_lr = 6e-5
 
 device = "auto"
 dtype = "auto"  # bfloat16 on H100/A100
-compile = True  # the fastest measured on an H100 with the fused MLP (README, Measured); --compile=False for eager mode
+compile = True  # the fastest measured on an H100 with the fused MLP (results/README.md); --compile=False for eager mode

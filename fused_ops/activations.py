@@ -93,7 +93,7 @@ def activation_grad(x, NAME: tl.constexpr):
 
 
 # Φ(-|x|) = exp(-x²/2) · t · S(t) with t = 1 / (1 + |x| / (2√2)) and S the degree-7 polynomial in
-# gelu_and_grad_16bit, fitted to erfcx(|x|/√2) / (2t) by tools/fit_gelu_cdf.py (relative error 2.8e-6).
+# gelu_and_grad_16bit, fitted to erfcx(|x|/√2) / (2t) by lab/fit_gelu_cdf.py.
 GELU_CDF_T = tl.constexpr(0.3535533905932738)  # 1 / (2√2)
 NEG_HALF_LOG2E = tl.constexpr(-0.7213475204444817)  # exp(-x²/2) = exp2(x² · this)
 
@@ -101,8 +101,8 @@ NEG_HALF_LOG2E = tl.constexpr(-0.7213475204444817)  # exp(-x²/2) = exp2(x² · 
 @triton.jit
 def gelu_and_grad_16bit(x):
     """(GELU(x), GELU'(x)) = (x·Φ(x), Φ(x) + x·φ(x)) for 16-bit outputs: one reciprocal square root,
-    one exp2 and 18 other instructions an element (sm_90 SASS), where libdevice's erf takes several times
-    as many and made the ping-pong kernel's epilogue, not its MMAs, the bottleneck (notes/perf.md).
+    one exp2 and a short polynomial an element, where libdevice's erf takes several times as many
+    instructions and made the ping-pong kernel's epilogue, not its MMAs, the bottleneck (docs/performance.md).
     NaN gives NaN, +inf gives (inf, NaN) and -inf (NaN, NaN), as PyTorch's erf-based GELU does.
     Φ(-|x|) = φ(x)·√(2π)·t·S(t) (see GELU_CDF_T) is within ~1e-5 of Φ, relative, in both tails: far
     under the 3.9e-3 (bf16) and 4.9e-4 (fp16) of the outputs it is used for, not under fp32's."""

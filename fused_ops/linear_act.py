@@ -138,7 +138,7 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
             and pingpong.linear_act_forward(x, weight, bias, act, up_act, gated, save, out, saved)):
         return out, (saved if save else None), stats  # Hopper, 16-bit (False if that kernel failed: Triton's below)
     # The TMA loop reads x and W.T through descriptors, in either orientation of W at the same speed
-    # (results/profile_mlp_h100.txt).
+    # (lab/results/profile_mlp_h100.txt).
     # The LayerNorm fold normalizes x's tiles in registers, so it keeps the pointer loop.
     descriptors, b_kmajor = tma_operands(x, weight.t()) if ln is None else ([], False)
     if not descriptors and x.is_cuda and M >= TRANSPOSE_WEIGHT_MIN_M and weight.stride(1) == 1:

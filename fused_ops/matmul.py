@@ -45,7 +45,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
       the copy engine moves whole tiles into shared memory, fills out-of-bounds rows and K columns with
       zeros, and leaves the warps free to issue MMAs. B is described by a (K, N) descriptor, or with
       B_KMAJOR by the (N, K) matrix it is the transpose of (a row-major weight); strides are unused.
-      On Hopper it is the faster of the two loops (tools/overlap_probe.py; numbers in notes/perf.md).
+      On Hopper it is the faster of the two loops (lab/overlap_probe.py; docs/performance.md).
 
     With TWO_B, a second accumulator gets A @ B2 where B2 starts b2_offset elements after B (with TMA:
     b2_offset columns of B further along N, i.e. rows of a K-major weight): the gated
@@ -118,7 +118,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
 def split_columns(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(left half, right half) of a (BLOCK_M, BLOCK_N) tile. Epilogues work on one half at a time: the
     activation's temporaries for half a tile fit in registers beside the accumulator, where a whole
-    tile's would spill (a 128x128 GELU tile does on Hopper: notes/perf.md)."""
+    tile's would spill (a 128x128 GELU tile does on Hopper: docs/performance.md)."""
     return tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 

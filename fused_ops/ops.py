@@ -9,8 +9,8 @@ that are not computed come back as empty tensors (an operator returns a fixed nu
 
 They are defined with torch.library.Library and one implementation for every backend, not with
 torch.library.custom_op: custom_op wraps each call in a Python autograd layer and an output-aliasing
-check, ~10 us of host time per call on a fast CPU and ~50 us on the H100 machine, paid 24 times per
-GPT-2 step inside the compiled graph (tools/profile_step.py: the fused+compile step was host-bound).
+check whose host time, paid for every MLP of a step inside the compiled graph, made the fused + compile
+step host-bound (lab/profile_step.py, docs/performance.md).
 Outside torch.compile the launchers are called directly, skipping the dispatcher altogether.
 """
 

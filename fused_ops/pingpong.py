@@ -2,7 +2,7 @@
 
 Why a second main loop: in the Triton kernels (matmul.py) the warps that issue a tile's MMAs also run
 its epilogue (bias, GELU and GELU', two stores), so the tensor cores idle through every epilogue, and
-Triton's compiler does not overlap the two on Hopper (notes/perf.md). This kernel lays the overlap out
+Triton's compiler does not overlap the two on Hopper (docs/performance.md). This kernel lays the overlap out
 itself. Each SM runs one persistent program of three warp partitions:
 
   loader      1 warp     TMA loads of the A and B tiles into a ring of STAGES shared-memory slots
@@ -19,9 +19,8 @@ Gated activations: in the forward each B tile holds 64 gate rows and 64 up rows 
 output columns, so one MMA gives both halves (split in registers); the dgrad multiplies one grad_h tile
 by both saved halves. Outputs leave through TMA stores from staging tiles, 32 columns at a time.
 
-On an H100 (results/pingpong_h100.txt §10, GPT-2 small's MLP) its main loop alone runs at 0.96x cuBLAS, the
-GELU forward saving dh/dz at 1.32x (the Triton kernel: 1.74x), the dgrad at 1.17x (1.36x with the bias
-gradient), the SwiGLU forward at 1.25x. Only for what TMA and wgmma take: 16-bit operands and outputs of one
+Its main loop runs at cuBLAS speed and its epilogues cost far less than the Triton kernel's
+(docs/performance.md). Only for what TMA and wgmma take: 16-bit operands and outputs of one
 dtype, rows 16-byte aligned (gated: N a multiple of 8), a GPU of capability 9.x and Triton's Gluon (3.6 is
 what it was built with). The Triton kernels do everything else, and the gated dgrad where they are faster
 (takes_dgrad); FUSED_OPS_PINGPONG=0 turns this off. If this kernel fails to compile or launch (Gluon changes
@@ -291,9 +290,9 @@ if AVAILABLE:
 
 # The gated dgrad has only 3 ring slots (both saved halves are prefetched into shared memory, see
 # SHARED_MEMORY_PLAN) and reduces the bias gradient over 8 parts. On an H100 the Triton dgrad beats it once K
-# (the model width) passes 768, or whenever the bias gradient is asked for (results/pingpong_h100.txt §10), so
-# the gated dgrad runs here only below that. The plain dgrad is within 2% of the Triton one or faster at every
-# width measured (768 to 4096).
+# (the model width) passes 768, or whenever the bias gradient is asked for (lab/results/pingpong_h100.txt), so
+# the gated dgrad runs here only below that. The plain dgrad is as fast as the Triton one or faster at every
+# width measured.
 GATED_DGRAD_MAX_K = 768
 
 
@@ -353,8 +352,7 @@ def _descriptor(t, block):
     shape, strides and dtype only, so one made earlier for a tensor at the same address and layout is the
     same descriptor: a training step allocates its activations at the same addresses as the step before.
     The cache saves building and checking the Python object. Triton's launcher still encodes each
-    descriptor it is passed at every launch (the two together took ~11 us a descriptor on the H100
-    machine; notes/perf.md), which is why the kernel is passed None for the ones it does not use."""
+    descriptor it is passed at every launch (a measurable host cost: docs/performance.md), which is why the kernel is passed None for the ones it does not use."""
     key = (t.data_ptr(), t.shape, t.stride(), t.dtype, block)
     desc = _descriptors.get(key)
     if desc is None:
