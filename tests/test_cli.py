@@ -276,17 +276,22 @@ def test_resume_command_names_the_running_python(monkeypatch, tmp_path):
     assert train.python_command() == str(here)  # no python on PATH at all
 
 
-def test_sigterm_stops_the_same_way(dataset, trained, tmp_path, monkeypatch):
-    """SIGTERM (what schedulers and torchrun send) arriving mid-run, in-process: stop, save, exit status 143."""
-    out = copy_run(trained, tmp_path)
+def sigterm_after_iter(iter_num, monkeypatch):
+    """Send this process SIGTERM right after train.py reports step iter_num."""
     report = train.report_step
 
     def report_then_signal(run, *args):
         report(run, *args)
-        if run.iter_num == 5:
+        if run.iter_num == iter_num:
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(train, "report_step", report_then_signal)
+
+
+def test_sigterm_stops_the_same_way(dataset, trained, tmp_path, monkeypatch):
+    """SIGTERM (what schedulers and torchrun send) arriving mid-run, in-process: stop, save, exit status 143."""
+    out = copy_run(trained, tmp_path)
+    sigterm_after_iter(5, monkeypatch)
     before = signal.getsignal(signal.SIGTERM)
     resume = rf"\n  {re.escape(shlex.quote(train.python_command()))} train.py --out_dir=.* --max_iters=50 --init_from=resume$"
     with pytest.raises(errors.Stopped, match=r"stopped by SIGTERM at iter 7; .*" + resume) as e:
@@ -300,14 +305,7 @@ def test_a_stop_keeps_the_best_checkpoint(dataset, trained, tmp_path, monkeypatc
     """always_save_checkpoint=False (configs/finetune_shakespeare.py) keeps only the best model: a stop's
     checkpoint goes to ckpt.pt, where resume finds it, and the best one so far stays whole as ckpt_best.pt."""
     out = copy_run(trained, tmp_path)  # its ckpt.pt (iter 4) was written by an eval
-    report = train.report_step
-
-    def report_then_signal(run, *args):
-        report(run, *args)
-        if run.iter_num == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(train, "report_step", report_then_signal)
+    sigterm_after_iter(5, monkeypatch)
     with pytest.raises(errors.Stopped, match=r"stopped by SIGTERM at iter 7; checkpoint written to .*ckpt.pt \(the "
                                              r"best checkpoint, val loss \d\.\d{4}, is kept as .*ckpt_best.pt\)"):
         train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=50", "--always_save_checkpoint=False"])
