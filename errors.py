@@ -68,7 +68,7 @@ def run_main(script, main, argv=None, quiet=False):
 def check_device(name, arg="--device"):
     """name ("cpu", "cuda", "cuda:1", "mps") if this machine has it, else a UsageError naming arg. Asked before
     any work: PyTorch's own failure comes later, as a traceback ("Torch not compiled with CUDA enabled")."""
-    import torch  # here, not at the top: data.py fails through this module too and never needs torch
+    import torch  # here, not at the top: prepare.py fails through this module too and never needs torch
     try:
         device = torch.device(name)
     except RuntimeError:

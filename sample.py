@@ -12,35 +12,15 @@ A checkpoint trained with any mlp setting loads into any other (--mlp); the para
 """
 
 import argparse
-import contextlib
-import os
 import sys
 
 import torch
 
+import checkpoint
 import data
 import errors
-from model import GPT, GPTConfig
-from train import check_mlp, read_checkpoint
-
-
-def load_checkpoint(out_dir, device="cpu", mlp=None):
-    """The model (in eval mode, on device) and the checkpoint dict from out_dir/ckpt.pt."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    if not os.path.isfile(path):
-        raise errors.UsageError(f"no checkpoint at {path}; train one first, e.g. python train.py "
-                                "configs/shakespeare_char_cpu.py")
-    ckpt = read_checkpoint(path, keys=("model", "model_args", "meta"))  # one line if damaged or foreign
-    model_args = {**ckpt["model_args"], "dropout": 0.0}
-    if mlp is None:  # the checkpoint's choice, which may not run here (trained with the kernels on a GPU)
-        check_mlp(model_args["mlp"], device, source=f"{path} has mlp='fused', which")
-    else:
-        model_args["mlp"] = mlp
-        if mlp == "eager":  # folding the LayerNorm is a way to compute, not a parameter: eager simply does not fold
-            model_args["fuse_ln"] = False
-    model = GPT(GPTConfig(**model_args))
-    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
-    return model.eval().to(device), ckpt
+import runtime
+from model import GPT
 
 
 def load_pretrained(init_from, device="cpu", mlp=None):
@@ -73,20 +53,13 @@ def parse_args(argv):
 def main(argv=None):
     """Print and return num_samples continuations of the prompt."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    errors.check_device(device)  # one line naming --device if this machine has no such device
-    check_mlp(args.mlp, device)  # one line naming --mlp if the kernels cannot run here
+    device = runtime.resolve_device(args.device)  # one line naming --device if this machine has no such device
+    runtime.check_mlp(args.mlp, device)  # one line naming --mlp if the kernels cannot run here
     device_type = device.split(":")[0]
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-    autocast = (contextlib.nullcontext() if dtype == "float32"
-                else torch.autocast(device_type, dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]))
+    _, autocast = runtime.precision(args.dtype, device_type, auto_fp16=False)
 
     if args.init_from == "resume":
-        model, ckpt = load_checkpoint(args.out_dir, device, args.mlp)
+        model, ckpt = checkpoint.load_model(args.out_dir, device, args.mlp)
         meta = ckpt["meta"]
     else:
         model, meta = load_pretrained(args.init_from, device, args.mlp)

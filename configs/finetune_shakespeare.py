@@ -3,7 +3,7 @@
 #   python sample.py --out_dir=out-shakespeare-gpt2 --start="ROMEO:"
 # init_from also takes gpt2-medium, gpt2-large, gpt2-xl (bigger: lower batch_size, raise
 # gradient_accumulation_steps) or a folder with a Hugging Face GPT-2 checkpoint. The checkpoint fixes the
-# architecture (layers, heads, width, biases, GELU); the "shakespeare" dataset (data.py prepares it on first
+# architecture (layers, heads, width, biases, GELU); the "shakespeare" dataset (prepare.py makes it on first
 # use) has GPT-2's 50257-token vocabulary, as the checkpoint needs.
 
 out_dir = "out-shakespeare-gpt2"

@@ -2,7 +2,7 @@
 #
 # 1. The data (once; streamed from the Hugging Face hub, so nothing but the .bin files lands on disk:
 #    ~10B tokens * 2 bytes (uint16) = ~20 GB in data/fineweb_edu; needs `pip install datasets` and the network):
-#      python data.py --source=hf:HuggingFaceFW/fineweb-edu --hf_config=sample-10BT --streaming \
+#      python prepare.py --source=hf:HuggingFaceFW/fineweb-edu --hf_config=sample-10BT --streaming \
 #          --tokenizer=gpt2 --val_fraction=0.0005 --out_dir=data/fineweb_edu
 #    Each document ends with <|endoftext|>; 0.05% of the documents (seeded draw) are val, as nanoGPT's
 #    OpenWebText. It tokenizes on every core and prints MB/s at the end.

@@ -107,6 +107,17 @@ class LinearActFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def _forward(x2, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps, save):
+    """(y, h, dh/dz or None, LayerNorm row stats or None) for a 2-D x: the kernel, then cuBLAS."""
+    stats = None
+    if ln_eps is None:
+        h, saved = linear_act_op(x2, w_fc, b_fc, activation, save)
+    else:
+        h, saved, stats = ln_linear_act_op(x2, ln_weight, ln_bias, ln_eps, w_fc, b_fc, activation, save)
+    y = h @ w_proj.t() if b_proj is None else torch.addmm(b_proj, h, w_proj.t())
+    return y, h, saved, stats
+
+
 class FusedMLPFunction(torch.autograd.Function):
     """y = act(x @ W1.T + b1) @ W2.T + b2, with the activation derivative fused into backward's dgrad.
 
@@ -117,12 +128,7 @@ class FusedMLPFunction(torch.autograd.Function):
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None, ln_eps=None):
         x2 = x.reshape(-1, x.shape[-1])
         needs_grad = any(ctx.needs_input_grad[:5]) or any(ctx.needs_input_grad[6:8])
-        stats = None
-        if ln_eps is None:
-            h, saved = linear_act_op(x2, w_fc, b_fc, activation, needs_grad)
-        else:
-            h, saved, stats = ln_linear_act_op(x2, ln_weight, ln_bias, ln_eps, w_fc, b_fc, activation, needs_grad)
-        y = h @ w_proj.t() if b_proj is None else torch.addmm(b_proj, h, w_proj.t())
+        y, h, saved, stats = _forward(x2, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps, needs_grad)
         ctx.activation, ctx.has_bias, ctx.fold_ln = activation, (b_fc is not None, b_proj is not None), ln_eps is not None
         if needs_grad:
             ctx.save_for_backward(x2, w_fc, w_proj, h, saved, ln_weight, ln_bias, stats)
@@ -188,6 +194,10 @@ def fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias
     if ln_eps is None and (ln_weight is not None or ln_bias is not None):
         raise ValueError("ln_weight / ln_bias given without ln_eps: pass the LayerNorm's eps to fold it")
     check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, fold_ln=ln_eps is not None)
+    if not torch.is_grad_enabled():  # evaluation, sampling: no autograd node, no dh/dz written, nothing kept
+        y = _forward(x.reshape(-1, x.shape[-1]), w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps,
+                     save=False)[0]
+        return y.view(*x.shape[:-1], y.shape[-1])
     return FusedMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps)
 
 

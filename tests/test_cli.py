@@ -16,6 +16,9 @@ import torch
 
 import data
 import errors
+import prepare
+import runtime
+import stopping
 import train
 from test_train import TINY, dataset  # noqa: F401 (dataset: test_train's fixture, the tiny char dataset)
 
@@ -102,11 +105,11 @@ def test_fused_mlp_without_triton_or_from_a_checkpoint(trained, tmp_path, monkey
             raise ImportError("mlp='fused' needs Triton") from e
 
     with monkeypatch.context() as m:
-        m.setattr(train.model, "import_fused_ops", no_triton)
+        m.setattr(runtime.model, "import_fused_ops", no_triton)
         with pytest.raises(errors.UsageError, match=r"^--mlp=fused needs Triton, which cannot be imported here \(No "
                                                     r"module named 'triton'\): use --mlp=auto or --mlp=eager"):
-            train.check_mlp("fused", "cpu")
-        train.check_mlp("auto", "cpu")  # "auto" runs PyTorch where the kernels cannot run
+            runtime.check_mlp("fused", "cpu")
+        runtime.check_mlp("auto", "cpu")  # "auto" runs PyTorch where the kernels cannot run
     # A checkpoint trained with the kernels (on a GPU), sampled where they cannot run: names the file and --mlp.
     out = tmp_path / "out"
     out.mkdir()
@@ -187,7 +190,7 @@ def test_each_save_keeps_the_one_before(trained):
 
 def test_resume_on_another_vocabulary(trained, tmp_path):
     (tmp_path / "other.txt").write_text("abcdefg hijk\n" * 400)  # another, smaller character set
-    data.prepare(str(tmp_path / "other"), source=str(tmp_path / "other.txt"), tokenizer="char")
+    prepare.prepare(str(tmp_path / "other"), source=str(tmp_path / "other.txt"), tokenizer="char")
     out = copy_run(trained, tmp_path)
     proc = script("train.py", "--init_from=resume", f"--out_dir={out}", f"--dataset={tmp_path / 'other'}")
     line = one_line_error(proc, "train.py", 2)
@@ -251,7 +254,7 @@ def test_ctrl_c_saves_and_prints_the_resume_command(dataset, tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "Traceback" not in err
     resume = err.strip().splitlines()[-1].strip()
-    assert resume.startswith(f"{shlex.quote(train.python_command())} train.py --n_layer=2"), err
+    assert resume.startswith(f"{shlex.quote(stopping.python_command())} train.py --n_layer=2"), err
     assert resume.endswith("--init_from=resume"), err
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     stopped_at = ckpt["iter_num"]
@@ -269,20 +272,20 @@ def test_resume_command_names_the_running_python(monkeypatch, tmp_path):
     here.write_text("")
     monkeypatch.setattr(sys, "executable", str(here))
     monkeypatch.setattr(shutil, "which", lambda name: str(here))
-    assert train.python_command() == "python"  # "python" on PATH is this interpreter
+    assert stopping.python_command() == "python"  # "python" on PATH is this interpreter
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/python")
-    assert train.python_command() == str(here)  # another python comes first on PATH
+    assert stopping.python_command() == str(here)  # another python comes first on PATH
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert train.python_command() == str(here)  # no python on PATH at all
+    assert stopping.python_command() == str(here)  # no python on PATH at all
 
 
 def sigterm_after_iter(iter_num, monkeypatch):
     """Send this process SIGTERM right after train.py reports step iter_num."""
     report = train.report_step
 
-    def report_then_signal(run, *args):
-        report(run, *args)
-        if run.iter_num == iter_num:
+    def report_then_signal(log, bar, cfg, it, *args):
+        report(log, bar, cfg, it, *args)
+        if it == iter_num:
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(train, "report_step", report_then_signal)
@@ -293,11 +296,11 @@ def test_sigterm_stops_the_same_way(dataset, trained, tmp_path, monkeypatch):
     out = copy_run(trained, tmp_path)
     sigterm_after_iter(5, monkeypatch)
     before = signal.getsignal(signal.SIGTERM)
-    resume = rf"\n  {re.escape(shlex.quote(train.python_command()))} train.py --out_dir=.* --max_iters=50 --init_from=resume$"
-    with pytest.raises(errors.Stopped, match=r"stopped by SIGTERM at iter 7; .*" + resume) as e:
+    resume = rf"\n  {re.escape(shlex.quote(stopping.python_command()))} train.py --out_dir=.* --max_iters=50 --init_from=resume$"
+    with pytest.raises(errors.Stopped, match=r"stopped by SIGTERM at iter 6; .*" + resume) as e:
         train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=50"])
     assert e.value.exit_status == 128 + signal.SIGTERM
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 7
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 6  # the end of the step it came in
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
 
 
@@ -306,13 +309,13 @@ def test_a_stop_keeps_the_best_checkpoint(dataset, trained, tmp_path, monkeypatc
     checkpoint goes to ckpt.pt, where resume finds it, and the best one so far stays whole as ckpt_best.pt."""
     out = copy_run(trained, tmp_path)  # its ckpt.pt (iter 4) was written by an eval
     sigterm_after_iter(5, monkeypatch)
-    with pytest.raises(errors.Stopped, match=r"stopped by SIGTERM at iter 7; checkpoint written to .*ckpt.pt \(the "
+    with pytest.raises(errors.Stopped, match=r"stopped by SIGTERM at iter 6; checkpoint written to .*ckpt.pt \(the "
                                              r"best checkpoint, val loss \d\.\d{4}, is kept as .*ckpt_best.pt\)"):
         train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=50", "--always_save_checkpoint=False"])
     stop = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     best = torch.load(os.path.join(out, "ckpt_best.pt"), weights_only=True)
-    assert (stop["iter_num"], stop["evaluated"]) == (7, False)
-    assert best["evaluated"] is True and best["iter_num"] in (4, 6)  # 6 if the eval there improved on 4
+    assert (stop["iter_num"], stop["evaluated"]) == (6, False)  # saved before the eval due at 6
+    assert best["evaluated"] is True and best["iter_num"] == 4
     assert best["best_val_loss"] == stop["best_val_loss"]
 
 
@@ -323,9 +326,9 @@ def test_second_ctrl_c_quits_at_once_and_keeps_the_checkpoint(dataset, trained, 
     path = os.path.join(out, "ckpt.pt")
     report, real_save, saves, second_at = train.report_step, torch.save, [], []
 
-    def report_then_ctrl_c(run, *args):
-        report(run, *args)
-        if run.iter_num == 5:
+    def report_then_ctrl_c(log, bar, cfg, it, *args):
+        report(log, bar, cfg, it, *args)
+        if it == 5:
             os.kill(os.getpid(), signal.SIGINT)
 
     def slow_save(obj, f, *args, **kwargs):
@@ -341,7 +344,7 @@ def test_second_ctrl_c_quits_at_once_and_keeps_the_checkpoint(dataset, trained, 
     with pytest.raises(KeyboardInterrupt):
         train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=50", "--eval_interval=1000"])
     assert time.perf_counter() - second_at[0] < 30  # the 60 s sleep was cut short (generous for a loaded machine)
-    assert saves == [7]  # the stop's save (after iter 5's Ctrl-C, at the end of step 6) was the one cut short
+    assert saves == [6]  # the stop's save (after iter 5's Ctrl-C, at the end of that step) was the one cut short
     assert "SIGINT: stopping after this step" in capfd.readouterr().err  # written to fd 2 by the handler
     monkeypatch.undo()
     assert torch.load(path, weights_only=True)["iter_num"] == 4  # the checkpoint from before the run
@@ -377,12 +380,12 @@ def test_second_ctrl_c_in_a_real_process(dataset, trained, tmp_path):
 def test_under_torchrun_a_signal_forwarded_twice_is_one_stop_request():
     """Ctrl-C under torchrun reaches each process twice (terminal, then torchrun): within the grace period the
     second is the same request, not the quit-at-once one; without a grace period it quits."""
-    with train.StopOnSignal(master=False, grace=60) as stop:
+    with stopping.StopOnSignal(master=False, grace=60) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
     assert stop.signum == signal.SIGINT
-    with pytest.raises(KeyboardInterrupt), train.StopOnSignal(master=False) as stop:
+    with pytest.raises(KeyboardInterrupt), stopping.StopOnSignal(master=False) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import settings
 import train
 from configurator import ConfigError, coerce, parse_config
 from model import GPTConfig
@@ -109,8 +110,8 @@ def test_cli_exits_nonzero_with_clear_message():
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
 def test_shipped_configs_are_valid(path):
     cfg = parse_config(train.DEFAULTS, [path], train.KEY_TYPES)
-    train.check_config(cfg)
-    GPTConfig(**{k: cfg[k] for k in train.MODEL_KEYS}, vocab_size=cfg["vocab_size"] or 65)  # model.py accepts it
+    settings.check(cfg)
+    GPTConfig(**{k: cfg[k] for k in settings.MODEL_KEYS}, vocab_size=cfg["vocab_size"] or 65)  # model.py accepts it
 
 
 def test_config_values():
@@ -136,16 +137,16 @@ def test_compile_takes_booleans_or_a_mode():
     assert [parse(a)["compile"] for a in ("--compile", "--compile=True", "--compile=false", "--compile=off")] == \
         [True, True, False, False]
     assert parse("--compile=reduce-overhead")["compile"] == "reduce-overhead"
-    train.check_config(parse("--compile=reduce-overhead"))
+    settings.check(parse("--compile=reduce-overhead"))
     with pytest.raises(ConfigError, match="config key 'compile' must be True, False or one of default, reduce-overhead"):
-        train.check_config(parse("--compile=fast"))
+        settings.check(parse("--compile=fast"))
 
 
 def test_ddp_compiles_without_cuda_graphs():
     """CUDA graphs were only tried on one GPU: under DDP (world > 1) the modes that add them become plain
     torch.compile; everything else is kept as asked."""
     for mode in ("reduce-overhead", "max-autotune"):
-        assert train.effective_compile(mode, 1) == mode
-        assert train.effective_compile(mode, 2) is True
+        assert settings.effective_compile(mode, 1) == mode
+        assert settings.effective_compile(mode, 2) is True
     for setting in (False, True, "default", "max-autotune-no-cudagraphs"):
-        assert train.effective_compile(setting, 4) == setting
+        assert settings.effective_compile(setting, 4) == setting

@@ -9,8 +9,10 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import data
 import errors
+import prepare
 import sample
 import train
 
@@ -24,7 +26,7 @@ def out_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("sample")
     (root / "corpus.txt").write_text("".join(f"KING {i % 7}:\nO, that this too too solid flesh would melt!\n\n"
                                              for i in range(800)))
-    data.prepare(str(root / "data"), source=str(root / "corpus.txt"), tokenizer="char")
+    prepare.prepare(str(root / "data"), source=str(root / "corpus.txt"), tokenizer="char")
     out = str(root / "out")
     train.main(["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8",
                 "--gradient_accumulation_steps=1", "--max_iters=60", "--eval_interval=60", "--eval_iters=2",
@@ -60,7 +62,7 @@ def test_sampling_same_seed_same_tokens(out_dir):
 def test_loads_into_another_mlp_kind(out_dir):
     # Trained with mlp="eager"; the fused MLP (on the GPU, or run by Triton's CPU interpreter under the test
     # conftest) owns the same parameters, so the checkpoint loads and greedy decoding agrees.
-    model, _ = sample.load_checkpoint(out_dir, DEVICE, mlp="fused")
+    model, _ = checkpoint.load_model(out_dir, DEVICE, mlp="fused")
     assert model.config.mlp == "fused"
     common = [f"--out_dir={out_dir}", f"--device={DEVICE}", "--dtype=float32", "--start=KING", "--num_samples=1",
               "--max_new_tokens=4", "--top_k=1"]
@@ -96,7 +98,7 @@ def test_vocabulary_without_newline(tmp_path, capsys):
     """A character vocabulary from text with no newline: the default start ("\\n") falls back to the first
     token, both in the sample train.py prints and in sample.py; a --start it cannot encode names the characters."""
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 300)
-    data.prepare(str(tmp_path / "data"), source=str(tmp_path / "corpus.txt"), tokenizer="char")
+    prepare.prepare(str(tmp_path / "data"), source=str(tmp_path / "corpus.txt"), tokenizer="char")
     assert "\n" not in data.load_meta(str(tmp_path / "data"))["chars"]
     out = str(tmp_path / "out")
     train.main(["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",

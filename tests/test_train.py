@@ -9,6 +9,10 @@ import pytest
 import torch
 
 import data
+import prepare
+import runlog
+import settings
+import stopping
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +37,7 @@ def write_corpus(path, n_lines=1500):
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     write_corpus(root / "corpus.txt")
-    data.prepare(str(root / "tiny"), source=str(root / "corpus.txt"), tokenizer="char")
+    prepare.prepare(str(root / "tiny"), source=str(root / "corpus.txt"), tokenizer="char")
     return str(root / "tiny")
 
 
@@ -174,7 +178,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(dataset, tmp_path):
 
 
 def test_in_process_nan_raises(dataset, tmp_path):
-    with pytest.raises(train.TrainingDiverged, match=r"became nan at iter \d+ .*is kept"):
+    with pytest.raises(stopping.TrainingDiverged, match=r"became nan at iter \d+ .*is kept"):
         run(dataset, str(tmp_path / "out"), "--max_iters=30", "--learning_rate=1e6", "--grad_clip=0.0", "--warmup_iters=0")
 
 
@@ -269,7 +273,7 @@ def gpt2_folder(tmp_path_factory):
 def bpe_dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("bpe")
     write_corpus(root / "corpus.txt", n_lines=300)
-    data.prepare(str(root / "bpe"), source=str(root / "corpus.txt"), tokenizer="gpt2")
+    prepare.prepare(str(root / "bpe"), source=str(root / "corpus.txt"), tokenizer="gpt2")
     return str(root / "bpe")
 
 
@@ -290,7 +294,7 @@ def test_init_from_a_gpt2_folder_trains_resumes_and_samples(gpt2_folder, bpe_dat
     expected = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "bias": True, "vocab_size": 50257,
                 "activation": "gelu_tanh", "mlp": "eager"}
     assert {k: ckpt["model_args"][k] for k in expected} == expected
-    assert {k: ckpt["config"][k] for k in train.ARCH_KEYS} == {k: expected[k] for k in train.ARCH_KEYS}
+    assert {k: ckpt["config"][k] for k in settings.ARCH_KEYS} == {k: expected[k] for k in settings.ARCH_KEYS}
 
     assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=3"])["iter_num"] == 3
     text = sample.main([f"--out_dir={out}", "--device=cpu", "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=5"])
@@ -316,7 +320,7 @@ def test_start_log_on_resume_replaces_the_log_whole(tmp_path):
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     inode = os.stat(path).st_ino
-    train.start_log(path, 4)
+    runlog.RunLog(str(tmp_path), master=True, resumed_at=4, cfg={"wandb_log": False})
     assert [(r["type"], r["iter"]) for r in read_log(tmp_path)] == [("step", i) for i in range(4)] + [("eval", 4)]
     assert os.stat(path).st_ino != inode  # a new file renamed over the old one, not the old one cut in place
     assert os.listdir(tmp_path) == ["log.jsonl"]

@@ -1,0 +1,48 @@
+"""
+Where and how a script runs: the device, the precision (autocast), and whether the fused MLP can run there.
+train.py and sample.py ask these before any work, so a wrong setting is one line naming the flag.
+"""
+
+import contextlib
+
+import torch
+
+import errors
+import model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name, local_rank=None, arg="--device"):
+    """The device to run on ("auto": cuda > mps > cpu), checked to exist here; under torchrun, one GPU a process."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and local_rank is not None:
+        name = f"cuda:{local_rank}"
+    return errors.check_device(name, arg=arg)
+
+
+def precision(dtype, device_type, auto_fp16=True):
+    """(dtype name, autocast context): "auto" is bf16 on GPUs that have it, else fp16 on CUDA (auto_fp16) or
+    fp32, and fp32 elsewhere. The model's weights stay fp32; autocast runs the matmuls in 16 bits."""
+    if dtype == "auto":
+        fallback = "float16" if auto_fp16 else "float32"
+        dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else fallback) if device_type == "cuda" else "float32"
+    autocast = contextlib.nullcontext() if dtype == "float32" else torch.autocast(device_type, dtype=DTYPES[dtype])
+    return dtype, autocast
+
+
+def check_mlp(mlp, device, source="--mlp=fused"):
+    """mlp="fused" runs the Triton kernels: Triton must import, and they take CUDA tensors (or CPU ones under
+    Triton's interpreter, TRITON_INTERPRET=1 set before Triton is imported). Otherwise one line naming --mlp,
+    before any work; source says where the setting came from (the command line, or a checkpoint)."""
+    if mlp != "fused":
+        return
+    try:
+        fused_ops = model.import_fused_ops(required=True)
+    except ImportError as e:
+        raise errors.UsageError(f"{source} needs Triton, which cannot be imported here ({e.__cause__ or e}): "
+                                "use --mlp=auto or --mlp=eager (or install triton)") from None
+    if not (device.startswith("cuda") or (device == "cpu" and fused_ops.kernels_can_run(torch.empty(0)))):
+        raise errors.UsageError(f"{source} runs Triton kernels, which need a CUDA GPU (or TRITON_INTERPRET=1 on the "
+                                f"CPU, very slow), and the device is {device}: use --mlp=auto or --mlp=eager")

@@ -1,0 +1,80 @@
+"""
+Where a training run's start-up time goes, printed once (issue: a faster step can still lose on the clock a
+user watches, if start-up eats the gain).
+
+A run pays before its steps reach their steady speed: reading or preparing the data, building the model, then
+the first steps, which also compile (torch.compile, the fused MLP's Triton kernels), tune the kernels' tiles
+(fused_ops/tuning.py), capture CUDA graphs and grow the allocator's pool. Those happen lazily inside the first
+steps, so they are told apart by what each keeps count of: dynamo's compile timers, our tuning log; the rest
+is the first steps' time beyond what steady steps take.
+"""
+
+import contextlib
+import statistics
+import sys
+import time
+
+WARMUP_STEPS = 3  # CUDA graphs: a warm-up run, then the capture, then replays; compile's backward on the first
+STEADY_STEPS = 5  # steps after the warm-up that give the steady time a step takes
+
+
+class Startup:
+    def __init__(self, master):
+        self.master, self.t0 = master, time.perf_counter()
+        self.seconds = {}  # phase -> seconds (data, model, first steps, evals...); what train.main returns
+        self.step_times, self.evals, self.reported = [], [], False
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def step(self, seconds):
+        """A training step's time; once the steady steps are in, the start-up breakdown is printed."""
+        self.step_times.append(seconds)
+        if len(self.step_times) == 1:
+            self.seconds["to first step"] = time.perf_counter() - self.t0
+        if len(self.step_times) == WARMUP_STEPS + STEADY_STEPS:
+            self.report()
+
+    def eval(self, seconds):
+        self.evals.append(seconds)
+        self.seconds["evals"] = sum(self.evals)
+
+    def report(self):
+        """Print the breakdown once (after the steady steps, or at the end of a shorter run)."""
+        if self.reported or not self.master or not self.step_times:
+            return
+        self.reported = True
+        warm = self.step_times[:WARMUP_STEPS]
+        steady = statistics.median(self.step_times[WARMUP_STEPS:] or warm[-1:])
+        self.seconds["first steps"] = sum(warm)
+        self.seconds["steady step"] = steady
+        parts = {"compile": torch_compile_seconds(), "kernel tuning": kernel_tuning_seconds()}
+        parts = {k: v for k, v in parts.items() if v}
+        self.seconds.update(parts)
+        rest = sum(warm) - len(warm) * steady - sum(parts.values())
+        inside = ", ".join([*(f"{k} {v:.1f} s" for k, v in parts.items()),
+                            f"the rest (kernel compiles, CUDA graphs, allocation) {max(rest, 0):.1f} s"])
+        evals = f"; eval {self.evals[0]:.2f} s" + (f" (first), {self.evals[-1]:.2f} s (last)" if len(self.evals) > 1
+                                                   else "") if self.evals else ""
+        print(f"start-up {self.seconds['to first step']:.1f} s to the first step: data {self.seconds.get('data', 0):.1f} s, "
+              f"model {self.seconds.get('model', 0):.1f} s; first {len(warm)} steps {sum(warm):.1f} s ({inside}); "
+              f"then {steady * 1000:.1f} ms a step{evals}", flush=True)
+
+
+def torch_compile_seconds():
+    """Seconds torch.compile spent compiling so far in this process (dynamo's own timers: forward graphs, and
+    the backward graphs it compiles on their first call); None if this torch keeps no such timers."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return None
+    return sum(sum(compilation_time_metrics.get(k, ())) for k in ("_compile.compile_inner", "backward._backward_impl"))
+
+
+def kernel_tuning_seconds():
+    """Seconds the fused MLP spent tuning its tiles (fused_ops/tuning.py's log), if its kernels were loaded."""
+    tuning = sys.modules.get("fused_ops.tuning")
+    return sum(entry[-1] for entry in tuning.TUNING_LOG) if tuning is not None else None

@@ -1,0 +1,60 @@
+"""Where start-up time goes (startup.py), printed by train.py; and evaluation through the fused MLP's fastest
+forward: under torch.no_grad() it writes no dh/dz and keeps nothing for a backward that never comes."""
+
+import re
+
+import pytest
+import torch
+
+import fused_ops
+import startup
+import train
+from test_train import TINY, dataset  # noqa: F401 (dataset: test_train's fixture, the tiny char dataset)
+
+
+def test_train_prints_where_start_up_went(dataset, tmp_path, capsys):
+    summary = train.main(TINY + [f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", "--max_iters=12",
+                                 "--eval_interval=6", "--lr_decay_iters=12"])
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("start-up ")]
+    assert len(lines) == 1, out  # once, after the steady steps
+    line = lines[0]
+    assert re.search(r"start-up \d+\.\d s to the first step: data \d+\.\d s, model \d+\.\d s; first 3 steps "
+                     r"\d+\.\d s \(.*the rest \(kernel compiles, CUDA graphs, allocation\) \d+\.\d s\); "
+                     r"then \d+\.\d ms a step; eval \d+\.\d\d s", line), line
+    s = summary["startup"]
+    assert 0 < s["data"] < 60 and 0 < s["model"] < 60 and 0 < s["steady step"] < 10
+    assert s["to first step"] >= s["data"] + s["model"] + s["evals"] / 3  # after them and the eval at iter 0
+    assert 0 < s["first steps"] < 60
+    assert "compile" not in s  # nothing was compiled (compile=False)
+    evals = re.findall(r"iter (\d+): train loss \d\.\d{4}, val loss \d\.\d{4} \((\d+\.\d\d) s\)", out)
+    assert [int(i) for i, _ in evals] == [0, 6, 12] and all(float(t) > 0 for _, t in evals)
+
+
+def test_a_short_run_reports_at_its_end(capsys):
+    """Fewer steps than the steady ones: the breakdown still comes, once, from what there is."""
+    s = startup.Startup(master=True)
+    for dt in (2.0, 0.5):
+        s.step(dt)
+    s.report()
+    s.report()
+    out = capsys.readouterr().out
+    assert out.count("start-up ") == 1 and "first 2 steps 2.5 s" in out and "then 500.0 ms a step" in out
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_no_grad_forward_saves_nothing(monkeypatch, grad):
+    """The eval forward (torch.no_grad) asks the kernel for h only; with grad enabled it asks for dh/dz too."""
+    if not fused_ops.kernels_can_run(torch.empty(0)):
+        pytest.skip("the kernels cannot run here (no GPU, no TRITON_INTERPRET=1)")
+    saves, op = [], fused_ops.mlp.linear_act_op
+    monkeypatch.setattr(fused_ops.mlp, "linear_act_op", lambda *a: (saves.append(a[-1]), op(*a))[1])
+    torch.manual_seed(0)
+    fc, proj = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+    x = torch.randn(4, 8, 32)
+    with torch.set_grad_enabled(grad):
+        y = fused_ops.fused_mlp_layers(x, fc, proj, "gelu")
+    assert saves == [grad] and y.requires_grad == grad
+    with torch.no_grad():
+        expected = proj(torch.nn.functional.gelu(fc(x)))
+    torch.testing.assert_close(y.detach(), expected, rtol=1e-4, atol=1e-5)
