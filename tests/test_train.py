@@ -10,7 +10,6 @@ import torch
 
 import data
 import prepare
-import runlog
 import settings
 import stopping
 import train
@@ -312,18 +311,6 @@ def test_init_from_a_gpt2_folder_builds_the_model_configured(gpt2_folder, mlp, f
     assert all(block.mlp.fuse_ln is fuse_ln for block in model.transformer.h)
     with pytest.raises(train.errors.UsageError, match="'fuse_ln' folds the LayerNorm into the fused MLP: it needs"):
         train.build_model(dict(cfg, mlp="eager", fuse_ln=True), None, {"tokenizer": "gpt2", "vocab_size": 50257}, "")
-
-
-def test_start_log_on_resume_replaces_the_log_whole(tmp_path):
-    path = str(tmp_path / "log.jsonl")
-    records = [{"type": "step", "iter": i} for i in range(6)] + [{"type": "eval", "iter": 4}]
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    inode = os.stat(path).st_ino
-    runlog.RunLog(str(tmp_path), master=True, resumed_at=4, cfg={"wandb_log": False})
-    assert [(r["type"], r["iter"]) for r in read_log(tmp_path)] == [("step", i) for i in range(4)] + [("eval", 4)]
-    assert os.stat(path).st_ino != inode  # a new file renamed over the old one, not the old one cut in place
-    assert os.listdir(tmp_path) == ["log.jsonl"]
 
 
 def test_init_from_gpt2_needs_a_gpt2_vocabulary(gpt2_folder, dataset, tmp_path):
