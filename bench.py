@@ -142,7 +142,9 @@ def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
 
 
 def time_variant(model_args, state, mlp, compiled, batches, args, dtype):
-    """Warm-up steps, then timed ones: median ms/step, tokens/s, MFU, peak memory, the first losses."""
+    """Warm-up steps, then timed ones: median ms/step, tokens/s, MFU, peak memory, the first losses, and the
+    seconds from building the model to the end of its first step (compilation, tuning, CUDA graphs: start-up)."""
+    t_build = time.perf_counter()
     model, step = make_step(model_args, state, mlp, compiled, batches, args, dtype)
     cuda = args.device.startswith("cuda")
     losses, times = [], []
@@ -159,6 +161,8 @@ def time_variant(model_args, state, mlp, compiled, batches, args, dtype):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if i == 0:
+            to_first_step = time.perf_counter() - t_build
     dt = statistics.median(times[args.warmup:])
     tokens = sum(x.numel() for x, _ in batches[0])
     mfu = model.estimate_mfu(len(batches[0]) * batches[0][0][0].size(0), dt)
@@ -167,7 +171,7 @@ def time_variant(model_args, state, mlp, compiled, batches, args, dtype):
             # reserved by the caching allocator: includes the private pools CUDA graphs (reduce-overhead)
             # allocate from, which the allocated figure leaves out
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30 if cuda else None,
-            "first_losses": losses[:3], "first_step_s": times[0]}
+            "first_losses": losses[:3], "first_step_s": times[0], "to_first_step_s": to_first_step}
 
 
 def make_batches(model_args, batch_size, args):
@@ -211,12 +215,12 @@ def run(args):
     print(f"\n{env['device']}  torch {env['torch']}  {env['dtype']}  batch {batch_size}x{T} x{args.grad_accum}")
     width = max(16, *(len(label(r)) + 1 for r in rows))
     print(f"{'variant':<{width}}{'ms/step':>9}{'tok/s':>11}{'vs eager':>9}{'MFU':>7}{'mem GiB':>9}{'rsv GiB':>9}"
-          "  first losses")
+          f"{'1st step s':>11}  first losses")
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem, rsv = (f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("peak_mem_gib", "peak_reserved_gib"))
         print(f"{label(r):<{width}}{r['ms_per_step']:9.1f}{r['tokens_per_s']:11,.0f}"
-              f"{base['ms_per_step'] / r['ms_per_step']:8.2f}x{mfu:>7}{mem:>9}{rsv:>9}  "
+              f"{base['ms_per_step'] / r['ms_per_step']:8.2f}x{mfu:>7}{mem:>9}{rsv:>9}{r['to_first_step_s']:11.1f}  "
               + " ".join(f"{l:.4f}" for l in r["first_losses"]))
     return rows
 

@@ -23,6 +23,7 @@ class Startup:
         self.master, self.t0 = master, time.perf_counter()
         self.seconds = {}  # phase -> seconds (data, model, first steps, evals...); what train.main returns
         self.step_times, self.evals, self.reported = [], [], False
+        self.before_steps = {}  # compile and tuning seconds spent before the first step (the first eval's)
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -41,6 +42,8 @@ class Startup:
     def eval(self, seconds):
         self.evals.append(seconds)
         self.seconds["evals"] = sum(self.evals)
+        if not self.step_times:  # what the eval before the first step compiled and tuned is its own
+            self.before_steps = lazy_work()
 
     def report(self):
         """Print the breakdown once (after the steady steps, or at the end of a shorter run)."""
@@ -51,17 +54,27 @@ class Startup:
         steady = statistics.median(self.step_times[WARMUP_STEPS:] or warm[-1:])
         self.seconds["first steps"] = sum(warm)
         self.seconds["steady step"] = steady
-        parts = {"compile": torch_compile_seconds(), "kernel tuning": kernel_tuning_seconds()}
-        parts = {k: v for k, v in parts.items() if v}
+        parts = {k: v - self.before_steps.get(k, 0.0) for k, v in lazy_work().items()}
+        parts = {k: v for k, v in parts.items() if v > 0}
         self.seconds.update(parts)
         rest = sum(warm) - len(warm) * steady - sum(parts.values())
         inside = ", ".join([*(f"{k} {v:.1f} s" for k, v in parts.items()),
                             f"the rest (kernel compiles, CUDA graphs, allocation) {max(rest, 0):.1f} s"])
-        evals = f"; eval {self.evals[0]:.2f} s" + (f" (first), {self.evals[-1]:.2f} s (last)" if len(self.evals) > 1
-                                                   else "") if self.evals else ""
-        print(f"start-up {self.seconds['to first step']:.1f} s to the first step: data {self.seconds.get('data', 0):.1f} s, "
-              f"model {self.seconds.get('model', 0):.1f} s; first {len(warm)} steps {sum(warm):.1f} s ({inside}); "
+        evals = ""
+        if self.evals:
+            lazy = ", ".join(f"{k} {v:.1f} s" for k, v in self.before_steps.items() if v > 0)
+            evals = f"; eval {self.evals[0]:.2f} s" + (f" ({lazy})" if lazy else "")
+            evals += f", then {self.evals[-1]:.2f} s" if len(self.evals) > 1 else ""
+        print(f"start-up {self.seconds['to first step']:.1f} s to the first step: data "
+              f"{self.seconds.get('data', 0):.1f} s, model {self.seconds.get('model', 0):.1f} s; first {len(warm)} steps "
+              f"{sum(warm):.1f} s ({inside}); "
               f"then {steady * 1000:.1f} ms a step{evals}", flush=True)
+
+
+def lazy_work():
+    """Seconds spent so far compiling (torch.compile) and tuning (the fused MLP's tiles): work done lazily, in
+    whichever forward or step first needs it."""
+    return {"compile": torch_compile_seconds() or 0.0, "kernel tuning": kernel_tuning_seconds() or 0.0}
 
 
 def torch_compile_seconds():

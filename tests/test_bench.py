@@ -23,6 +23,8 @@ def test_bench_runs_and_paths_agree(tmp_path):
     for a, b in zip(eager["first_losses"], fused["first_losses"]):  # same weights, same batches
         assert abs(a - b) < 1e-4
     assert all(r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    # time to the first step: building the model and its first step, at least that step's own time
+    assert all(r["to_first_step_s"] >= r["first_step_s"] > 0 for r in rows)
     for ext in (".json", ".csv", ".png"):
         assert os.path.getsize(out + ext) > 0
     with open(out + ".json") as f:
