@@ -10,12 +10,17 @@ tuning again. And after the first call a launch is a dict lookup and a call of t
 kernel takes on the GPU (measured in docs/performance.md). TUNING_LOG records what was tuned, the choice
 and how long it took.
 
+The choices are kept on disk (FUSED_OPS_TUNING_CACHE, default ~/.cache/fused_ops/tuning.json; "0" turns it
+off), keyed by the GPU, the Triton version and the tuning key: tuning is paid once per machine, and a later
+run compiles only the chosen config instead of compiling and timing every candidate.
+
 Under TRITON_INTERPRET=1 (CPU tests) one small config keeps the interpreter fast and exercises masking.
 FUSED_OPS_AUTOTUNE=0 skips tuning and uses the first config (the test suite sets
 it: it compiles hundreds of kernel variants, and tuning each would take far longer than checking it).
 """
 
 import functools
+import json
 import os
 import time
 
@@ -38,6 +43,8 @@ LAYERNORM_ROWS_PER_PROGRAM = 16  # rows one LayerNorm-backward program walks, su
 # FUSED_OPS_DIRECT_LAUNCH=0 launches every kernel through Triton's JIT instead of a kept compiled kernel.
 DIRECT_LAUNCH = os.environ.get("FUSED_OPS_DIRECT_LAUNCH", "1") == "1"
 TUNING_LOG = []  # (kernel name, key, chosen config, seconds spent tuning)
+TUNING_CACHE = os.environ.get("FUSED_OPS_TUNING_CACHE", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fused_ops", "tuning.json"))
 _plans = {}  # tuning key -> LaunchPlan
 
 
@@ -192,10 +199,10 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=
     plan = _plans.get(key)
     if plan is None:
         configs = matmul_configs(gated, dtype)
+        name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
         t0 = time.perf_counter()
-        if len(configs) == 1:
-            cfg = configs[0]
-        else:
+        cfg = configs[0] if len(configs) == 1 else _cached_choice(name, key, configs)
+        if cfg is None:
             times = []
             for c in configs:
                 try:
@@ -204,11 +211,53 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=
                 except Exception:  # e.g. a tile that needs more shared memory than this GPU has
                     times.append(float("inf"))
             cfg = configs[min(range(len(configs)), key=times.__getitem__)]
+            _remember(name, key, cfg)
         plan = _plans[key] = LaunchPlan(kernel, cfg, consts, K)
-        TUNING_LOG.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), key, cfg,
-                           time.perf_counter() - t0))
+        TUNING_LOG.append((name, key, cfg, time.perf_counter() - t0))
     plan.launch(M, N, args, descriptors)
     return plan.cfg
+
+
+def _cache_entry(name, key):
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{device} | triton {triton.__version__} | {name} | {key!r}"
+
+
+def _describe(cfg):
+    return repr((sorted(cfg.kwargs.items()), cfg.num_warps, cfg.num_stages, getattr(cfg, "maxnreg", None)))
+
+
+def _read_cache():
+    try:
+        with open(TUNING_CACHE) as f:
+            cache = json.load(f)
+        return cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):  # none yet, unreadable or damaged: tune again (and write a new one)
+        return {}
+
+
+def _cached_choice(name, key, configs):
+    """The config tuned for this key on this GPU and Triton in an earlier run, if it is still a candidate."""
+    if TUNING_CACHE == "0":
+        return None
+    entry = _read_cache().get(_cache_entry(name, key))
+    return next((c for c in configs if entry is not None and _describe(c) == entry), None)
+
+
+def _remember(name, key, cfg):
+    """Add a choice to the cache file: read again, merged, written to a temp file and renamed (a reader never
+    sees half a file; two processes tuning at once lose at most one's new entry)."""
+    if TUNING_CACHE == "0":
+        return
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(TUNING_CACHE)), exist_ok=True)
+        cache = {**_read_cache(), _cache_entry(name, key): _describe(cfg)}
+        tmp = f"{TUNING_CACHE}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=0, sort_keys=True)
+        os.replace(tmp, TUNING_CACHE)
+    except OSError:  # a read-only home, a full disk: the run goes on, and tunes again next time
+        pass
 
 
 def tuned_config(key):

@@ -5,6 +5,7 @@ these tests check, on any machine, the parts that decide whether they are safe.
 """
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -84,3 +85,40 @@ def test_interpreter_never_launches_directly(monkeypatch):
                   BIAS_GRAD=True)
     plan = tuning.LaunchPlan(dgrad_kernel, tuning._config(32, 32, 32, 4, 1), consts, K=64)
     assert not plan.direct
+
+
+def test_tuning_choices_are_kept_on_disk(monkeypatch, tmp_path):
+    """Tuned once, a key's choice is written to the cache file; a later run (here: the in-memory plans
+    forgotten) launches that config without timing any candidate. A damaged file means tuning again."""
+    if not torch.cuda.is_available() and not tuning.INTERPRET:
+        pytest.skip("the kernels cannot run here")
+    from fused_ops.linear_act import linear_act_forward
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cache = tmp_path / "tuning.json"
+    candidates = [tuning._config(32, 32, 32, 4, 1, group_m=2), tuning._config(16, 32, 32, 4, 1, group_m=2)]
+    monkeypatch.setattr(tuning, "TUNING_CACHE", str(cache))
+    monkeypatch.setattr(tuning, "matmul_configs", lambda gated=False, dtype=None: candidates)
+    monkeypatch.setattr(tuning, "_plans", {})
+    timed = []
+
+    def fake_bench(fn, **kwargs):  # the second candidate wins
+        timed.append(fn())
+        return 2.0 if len(timed) % 2 else 1.0
+    monkeypatch.setattr(tuning, "do_bench", fake_bench)
+    x, w = torch.randn(40, 32, device=device), torch.randn(48, 32, device=device)
+    expected = torch.nn.functional.gelu(x @ w.T)
+
+    def forward():
+        out, _ = linear_act_forward(x, w, None, "gelu")
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        return [tuning._describe(plan.cfg) for plan in tuning._plans.values()]
+
+    assert forward() == [tuning._describe(candidates[1])] and len(timed) == 2
+    assert list(json.loads(cache.read_text()).values()) == [tuning._describe(candidates[1])]
+    monkeypatch.setattr(tuning, "_plans", {})
+    assert forward() == [tuning._describe(candidates[1])] and len(timed) == 2  # from the file: nothing timed
+    cache.write_text("{not json")
+    monkeypatch.setattr(tuning, "_plans", {})
+    assert forward() == [tuning._describe(candidates[1])] and len(timed) == 4  # tuned again, and written again
+    assert json.loads(cache.read_text())
