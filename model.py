@@ -4,27 +4,23 @@ A small GPT in plain PyTorch, in the spirit of nanoGPT.
 One config field, `mlp`, picks how the MLP runs: "eager" (plain PyTorch, below), "fused" (our Triton
 kernels in fused_ops/) or "auto" (fused when the tensors are on a CUDA GPU and Triton works, eager
 otherwise). Both paths own exactly the same parameters, so a checkpoint trained one way loads the other.
-GPT.from_pretrained loads OpenAI's GPT-2 (Hugging Face checkpoints) into the same GPT, so either MLP runs it.
+GPT.from_pretrained loads OpenAI's GPT-2 (Hugging Face checkpoints) into the same GPT, so either MLP runs it, and
+GPT.save_pretrained writes ours in that format; the files themselves are hf_gpt2.py's.
 """
 
 import inspect
-import json
 import math
-import os
-import pickle
-import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-import errors
 
 # Plain activations act on the whole hidden vector.
 PLAIN_ACTIVATIONS = {
-    "gelu": F.gelu,  # exact erf form, GPT-2's choice
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,  # the exact erf form
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's (transformers' "gelu_new")
     "relu": F.relu,
     "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Primer)
 }
@@ -174,18 +170,13 @@ def import_fused_ops(required):
     return fused_ops
 
 
-def make_mlp(config):
-    """The block's MLP; config.mlp picks its path (see MLP)."""
-    return MLP(config)
-
-
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = make_mlp(config)
+        self.mlp = MLP(config)
 
     def forward(self, x, cache=None):
         x = x + self.attn(self.ln_1(x), cache)
@@ -278,32 +269,29 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_path, **overrides):
-        """OpenAI's GPT-2 as our GPT, on the CPU in fp32.
+        """A GPT-2 checkpoint in Hugging Face's format as our GPT, on the CPU in fp32 (the files: hf_gpt2.py).
 
         name_or_path: gpt2, gpt2-medium, gpt2-large or gpt2-xl (read from the Hugging Face cache, downloaded
         when online), or a folder holding a Hugging Face GPT-2 checkpoint (config.json with model.safetensors
-        or pytorch_model.bin). The architecture comes from config.json; only these may be overridden:
-        mlp ("eager" | "fused" | "auto"), dropout, block_size (crops the position table), fuse_ln.
+        or pytorch_model.bin), such as save_pretrained writes. The architecture comes from config.json; only
+        these may be overridden: mlp ("eager" | "fused" | "auto"), dropout, block_size (crops the position
+        table), fuse_ln.
         """
-        unknown = sorted(set(overrides) - set(PRETRAINED_OVERRIDES))
-        if unknown:
-            raise errors.UsageError(f"from_pretrained: override {unknown[0]!r} is not allowed: the checkpoint fixes "
-                                    f"the architecture; only {', '.join(PRETRAINED_OVERRIDES)} can change")
-        config_file, weight_files = gpt2_checkpoint_files(name_or_path)
-        shape = read_gpt2_config(config_file)
-        block_size = overrides.pop("block_size", None)
-        if block_size is not None and not (isinstance(block_size, int) and 0 < block_size <= shape["block_size"]):
-            raise errors.UsageError(f"block_size={block_size!r}: GPT-2 from {name_or_path} has {shape['block_size']} "
-                                    f"positions (n_positions in {config_file}); pass an integer in 1..{shape['block_size']}")
-        try:  # exactly GPT-2: biases everywhere, its 50257 tokens (unpadded) and the tanh GELU
-            config = GPTConfig(**shape, vocab_size=GPT2_VOCAB_SIZE, bias=True, activation="gelu_tanh", **overrides)
-        except ValueError as e:  # a bad mlp or dropout, fuse_ln with mlp="eager"
-            raise errors.UsageError(str(e)) from e
-        model = cls(config)
-        load_gpt2_weights(model, weight_files)
-        if block_size is not None and block_size < config.block_size:
-            model.crop_block_size(block_size)
-        return model
+        import hf_gpt2  # here: it imports this module
+
+        return hf_gpt2.from_pretrained(cls, name_or_path, **overrides)
+
+    def save_pretrained(self, folder, meta=None):
+        """Write this model as a GPT-2 checkpoint that transformers' GPT2LMHeadModel.from_pretrained(folder)
+        loads with no custom code: config.json, model.safetensors (biases as zeros where it has none).
+
+        meta, the dataset's metadata (a checkpoint's "meta"), cuts the vocabulary back to the dataset's
+        (the padding rows are never a target) and adds its tokenizer: GPT-2's BPE files, or char_vocab.json.
+        A gated MLP has no GPT-2 equivalent: a UsageError. An earlier export in folder is replaced whole.
+        """
+        import hf_gpt2
+
+        hf_gpt2.save_pretrained(self, folder, meta)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         # Decay matrices and embeddings; never biases or LayerNorm gains (the 1-D parameters).
@@ -352,179 +340,3 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
         return idx
-
-
-# -----------------------------------------------------------------------------------------------------
-# GPT-2 checkpoints in the Hugging Face format (GPT.from_pretrained)
-
-GPT2_NAMES = {  # our name -> its Hugging Face hub repository
-    "gpt2": "openai-community/gpt2",  # 124M parameters
-    "gpt2-medium": "openai-community/gpt2-medium",  # 350M
-    "gpt2-large": "openai-community/gpt2-large",  # 774M
-    "gpt2-xl": "openai-community/gpt2-xl",  # 1558M
-}
-GPT2_VOCAB_SIZE = 50257
-PRETRAINED_OVERRIDES = ("mlp", "dropout", "block_size", "fuse_ln")  # how to run it, not its architecture
-# transformers' names for the tanh approximation of GELU (GPT-2's "gelu_new"): our gelu_tanh.
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-# The checkpoint files, preferred first; a sharded checkpoint has an index naming its files instead.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-# GPT-2 stores its linear layers as Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# Seconds for config.json (under 1 KB) to arrive: a slower hub means no usable network. The hub client's own
-# timeouts do not bound it (it retries; a server that accepts and never answers held it for minutes).
-HUB_TIMEOUT = 10
-FOLDER_HINT = "pass --init_from=<folder> with a local checkpoint (config.json + model.safetensors)"
-
-
-def gpt2_checkpoint_files(name_or_path):
-    """(config.json, [weight files]) of a checkpoint folder, or of a GPT-2 name from the Hugging Face cache or hub.
-    An existing folder wins over a name, as in transformers."""
-    if os.path.isdir(name_or_path):
-        return _folder_files(name_or_path)
-    if name_or_path in GPT2_NAMES:
-        return _hub_files(name_or_path)
-    raise errors.UsageError(f"init_from={name_or_path!r} is neither a GPT-2 name ({', '.join(GPT2_NAMES)}) "
-                            f"nor an existing folder")
-
-
-def _folder_files(folder):
-    config_file = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_file):
-        raise errors.UsageError(f"{folder} has no config.json: init_from needs a Hugging Face GPT-2 checkpoint "
-                                "folder (config.json with model.safetensors or pytorch_model.bin)")
-    for name in WEIGHT_FILES:
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            return config_file, _shards(path) if name.endswith(".index.json") else [path]
-    raise errors.UsageError(f"{folder} has config.json but no weights: expected {' or '.join(WEIGHT_FILES)}")
-
-
-def _shards(index_file):
-    """The files a sharded checkpoint's index names (save_pretrained splits large models)."""
-    try:
-        with open(index_file) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    except (OSError, ValueError, KeyError, AttributeError) as e:
-        raise errors.UsageError(f"{index_file}: not a checkpoint index with a 'weight_map' ({e!r})") from e
-    paths = [os.path.join(os.path.dirname(index_file), name) for name in files]
-    for path in paths:
-        if not os.path.isfile(path):
-            raise errors.UsageError(f"{index_file} names {os.path.basename(path)}, which is missing from its folder")
-    return paths
-
-
-def _hub_files(name):
-    """The cached files if there are any (no network needed), else a download, which fails fast offline."""
-    from huggingface_hub import constants, hf_hub_download
-
-    repo = GPT2_NAMES[name]
-    for repo_id in (repo, name):  # older transformers cached GPT-2 under the short name
-        for weights in ("model.safetensors", "pytorch_model.bin"):
-            try:
-                return (hf_hub_download(repo_id, "config.json", local_files_only=True),
-                        [hf_hub_download(repo_id, weights, local_files_only=True)])
-            except FileNotFoundError:  # huggingface_hub's LocalEntryNotFoundError: not in the cache
-                pass
-    if constants.HF_HUB_OFFLINE:
-        raise errors.UsageError(f"init_from={name!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
-                                f"HF_HUB_OFFLINE is set: {FOLDER_HINT}, or download it once online")
-    try:
-        config_file = _within(HUB_TIMEOUT, lambda: hf_hub_download(repo, "config.json", etag_timeout=HUB_TIMEOUT))
-        return config_file, [hf_hub_download(repo, "model.safetensors", etag_timeout=HUB_TIMEOUT)]
-    except Exception as e:  # no network, hub down, proxy...: whatever it is, the way out is the same
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        raise errors.UsageError(f"init_from={name!r} is not in the Hugging Face cache and downloading {repo} failed "
-                                f"({type(e).__name__}: {reason}): {FOLDER_HINT}") from e
-
-
-def _within(seconds, fn):
-    """fn() in a daemon thread, or TimeoutError if it has not returned after seconds (it is left behind)."""
-    outcome = {}
-
-    def run():
-        try:
-            outcome["value"] = fn()
-        except Exception as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise TimeoutError(f"no answer within {seconds} s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def read_gpt2_config(path):
-    """n_layer, n_head, n_embd and block_size from a Hugging Face GPT-2 config.json, after checking that the
-    rest of it describes exactly what our GPT computes (anything else would load and silently compute wrong)."""
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except (OSError, ValueError) as e:
-        raise errors.UsageError(f"{path}: cannot read it as JSON ({e})") from e
-    try:
-        shape = dict(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"], block_size=hf["n_positions"])
-    except KeyError as e:
-        raise errors.UsageError(f"{path} has no {e.args[0]!r}: not a GPT-2 config") from None
-    # key: (what transformers assumes when the key is absent, the values our GPT computes)
-    required = {
-        "model_type": ("gpt2", ("gpt2",)),
-        "activation_function": ("gelu_new", TANH_GELUS),
-        "vocab_size": (GPT2_VOCAB_SIZE, (GPT2_VOCAB_SIZE,)),
-        "n_inner": (None, (None, 4 * shape["n_embd"])),
-        "layer_norm_epsilon": (1e-5, (1e-5,)),  # nn.LayerNorm's default
-        "scale_attn_weights": (True, (True,)),
-        "scale_attn_by_inverse_layer_idx": (False, (False,)),
-        "tie_word_embeddings": (True, (True,)),  # lm_head is wte
-    }
-    for key, (default, allowed) in required.items():
-        if hf.get(key, default) not in allowed:
-            raise errors.UsageError(f"{path}: {key}={hf[key]!r}, but GPT-2 (and our GPT) needs "
-                                    f"{' or '.join(map(repr, allowed))}")
-    return shape
-
-
-def _read_tensors(path):
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        if path.endswith(".safetensors"):
-            return load_file(path)
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
-        raise errors.RunError(f"{path}: cannot read its tensors ({type(e).__name__}: {e}); "
-                              f"the file is damaged or incomplete: download or save it again") from e
-
-
-def load_gpt2_weights(model, weight_files):
-    """Copy a Hugging Face GPT-2 state dict into our GPT, checking every name and shape."""
-    hf = {}  # our name without "transformer." -> (tensor, file, its name in the file)
-    for path in weight_files:
-        for key, tensor in _read_tensors(path).items():
-            # OpenAI's original files have no "transformer." prefix; attn.bias / attn.masked_bias are
-            # transformers' causal-mask buffers, not weights; lm_head.weight is wte (tied).
-            if not key.endswith((".attn.bias", ".attn.masked_bias")) and key != "lm_head.weight":
-                hf[key.removeprefix("transformer.")] = (tensor, path, key)
-    ours = {k.removeprefix("transformer."): p for k, p in model.state_dict().items() if k != "lm_head.weight"}
-    missing, unexpected = sorted(set(ours) - set(hf)), sorted(set(hf) - set(ours))
-    if missing:
-        raise errors.UsageError(f"{', '.join(weight_files)} has no tensor {missing[0]!r} ({len(missing)} missing): "
-                                f"not a complete GPT-2 checkpoint for its config.json")
-    if unexpected:
-        _, path, key = hf[unexpected[0]]
-        raise errors.UsageError(f"{path} has a tensor {key!r} that GPT-2 does not ({len(unexpected)} unexpected): "
-                                f"not a GPT-2 checkpoint for its config.json")
-    with torch.no_grad():
-        for name, param in ours.items():  # state_dict tensors share storage with the parameters
-            tensor, path, key = hf[name]
-            conv1d = name.endswith(CONV1D_WEIGHTS)
-            want = tuple(param.shape[::-1] if conv1d else param.shape)  # in the file's layout
-            if tuple(tensor.shape) != want:
-                raise errors.UsageError(f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, but its "
-                                        f"config.json implies {want}")
-            param.copy_(tensor.t() if conv1d else tensor)  # to fp32, whatever the file holds

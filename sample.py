@@ -19,15 +19,16 @@ import torch
 import checkpoint
 import data
 import errors
+import hf_gpt2
 import runtime
 from model import GPT
 
 
 def load_pretrained(init_from, device="cpu", mlp=None):
     """GPT-2 (a name or a Hugging Face checkpoint folder) in eval mode on device, and the metadata of its
-    tokenizer (GPT-2 BPE), as load_checkpoint gives for our own checkpoints."""
+    tokenizer: GPT-2's BPE, or the characters of a char-level model exported by export.py."""
     model = GPT.from_pretrained(init_from, mlp=mlp or "auto", dropout=0.0)
-    return model.eval().to(device), {"tokenizer": "gpt2", "vocab_size": model.config.vocab_size}
+    return model.eval().to(device), hf_gpt2.tokenizer_meta(init_from, model.config.vocab_size)
 
 
 def parse_args(argv):

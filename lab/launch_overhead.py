@@ -32,7 +32,7 @@ from fused_ops import mlp as fused_mlp_module
 from fused_ops import pingpong, tuning
 from fused_ops.matmul import TensorDescriptor
 from fused_ops.ops import dgrad_op, linear_act_op
-from model import GPTConfig, make_mlp
+from model import GPTConfig, MLP
 
 
 @triton.jit
@@ -110,9 +110,9 @@ def main():
     cfg = GPTConfig(n_embd=768, n_head=12, activation="gelu")
     M, C = 256, cfg.n_embd
     x = torch.randn(M, C, device="cuda", dtype=dt)
-    fused = make_mlp(dataclasses.replace(cfg, mlp="fused")).cuda().to(dt)
-    eager = make_mlp(cfg).cuda().to(dt)
-    fused32, eager32 = make_mlp(dataclasses.replace(cfg, mlp="fused")).cuda(), make_mlp(cfg).cuda()
+    fused = MLP(dataclasses.replace(cfg, mlp="fused")).cuda().to(dt)
+    eager = MLP(cfg).cuda().to(dt)
+    fused32, eager32 = MLP(dataclasses.replace(cfg, mlp="fused")).cuda(), MLP(cfg).cuda()
     w, b = fused.c_fc.weight.detach(), fused.c_fc.bias.detach()
     buf = torch.randn(1024, device="cuda")
     t2 = torch.randn(64, 64, device="cuda", dtype=dt)
@@ -238,7 +238,7 @@ def targets(rounds):
     rows = {}
     for bias in (False, True):
         cfg = GPTConfig(n_embd=768, n_head=12, activation="gelu", bias=bias)
-        mlps = {"eager": make_mlp(cfg).cuda().to(dt), "fused": make_mlp(dataclasses.replace(cfg, mlp="fused")).cuda().to(dt)}
+        mlps = {"eager": MLP(cfg).cuda().to(dt), "fused": MLP(dataclasses.replace(cfg, mlp="fused")).cuda().to(dt)}
         x = torch.randn(M, 768, device="cuda", dtype=dt, requires_grad=True)
         dy = torch.randn(M, 768, device="cuda", dtype=dt)
         for r in range(rounds):
@@ -268,7 +268,7 @@ def compile_boundary(rounds):
     print(versions())
     for act in ("gelu", "swiglu"):
         cfg = GPTConfig(n_embd=C, n_head=12, activation=act, bias=False, mlp="fused")
-        mlp = make_mlp(cfg).cuda().to(dt)
+        mlp = MLP(cfg).cuda().to(dt)
         x = torch.randn(M, C, device="cuda", dtype=dt)
         dy = torch.randn(M, C, device="cuda", dtype=dt)
         replays, first, launched = {}, {}, {}

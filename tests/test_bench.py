@@ -67,11 +67,11 @@ def test_graphed_fwd_bwd_replays_the_same_gradients(mlp):
     """bench_mlp.graphed_fwd_bwd: each replay computes the MLP's gradients, also after other allocations
     have reused whatever memory was freed since the capture (the graph's inputs must stay alive)."""
     import bench_mlp
-    from model import GPTConfig, make_mlp
+    from model import GPTConfig, MLP
 
     torch.manual_seed(0)
     cfg = GPTConfig(n_embd=256, n_head=1, activation="gelu", mlp="eager" if mlp == "compile" else mlp)
-    m = make_mlp(cfg).cuda().to(torch.bfloat16)
+    m = MLP(cfg).cuda().to(torch.bfloat16)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     replay, grads = bench_mlp.graphed_fwd_bwd(torch.compile(m) if mlp == "compile" else m, x, dy)

@@ -1,4 +1,5 @@
-"""The GPT model: shapes, initial loss, parameter layout across MLP paths, KV-cache generation, config errors."""
+"""The GPT model: shapes, initial loss, parameter layout across MLP paths, KV-cache generation, config errors,
+what it imports."""
 
 import math
 import os
@@ -127,9 +128,12 @@ def test_the_switch_picks_the_path(mlp, runs_kernels, monkeypatch):
     assert len(calls) == (TINY["n_layer"] if runs_kernels else 0)
 
 
-def test_fused_ops_does_not_import_model():
-    """Dependencies point one way: model.py imports fused_ops, never the reverse."""
-    code = "import sys, fused_ops; assert 'model' not in sys.modules, 'fused_ops imported model'"
+@pytest.mark.parametrize("module,never", [("fused_ops", ["model"]),
+                                          ("model", ["hf_gpt2", "safetensors", "huggingface_hub", "transformers"])])
+def test_dependencies_point_one_way(module, never):
+    """model.py imports fused_ops, never the reverse; hf_gpt2.py imports model.py, which loads it (and the Hugging
+    Face libraries) only inside from_pretrained and save_pretrained."""
+    code = f"import sys, {module}; imported = set({never!r}) & set(sys.modules); assert not imported, imported"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,5 +1,5 @@
-"""GPT.from_pretrained on Hugging Face GPT-2 checkpoints: tiny random ones that transformers saves (it is a test
-dependency only), compared with transformers' own logits; the hub cache offline; clear errors.
+"""GPT.from_pretrained on Hugging Face GPT-2 checkpoints (hf_gpt2.py): tiny random ones that transformers saves (it is a
+test dependency only), compared with transformers' own logits; the hub cache offline; clear errors.
 A GPU test does the same at GPT-2 124M's shapes under bf16 autocast."""
 
 import json
@@ -25,14 +25,14 @@ from numerics import assert_no_worse_than_eager
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where the fused kernels run: a GPU if there is one (without one, conftest sets Triton's CPU interpreter).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)  # vocab_size is GPT-2's 50257, as the loader requires
+TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)  # vocab_size: GPT-2's 50257
 
 
-def random_gpt2(seed=0, **shape):
+def random_gpt2(seed=0, vocab_size=50257, **config):
     """A transformers GPT2LMHeadModel with every parameter random (its own init leaves biases at 0 and
     LayerNorm gains at 1, which would hide a bias or gain that failed to load)."""
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **shape)
+    config = transformers.GPT2Config(vocab_size=vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config)
     hf = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -96,6 +96,20 @@ def test_same_logits_as_transformers(tiny, layout, mlp):
     assert ours.shape == theirs.shape == (2, 64, 50257)
     # Ours must be as close to the float64 answer as transformers' own fp32 logits are (the repo's 2x rule).
     assert_no_worse_than_eager(ours, theirs, reference, f"{layout} {mlp} logits")
+
+
+@pytest.mark.parametrize("activation_function,ours", [("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_tanh"),
+                                                      ("relu", "relu"), ("relu2", "relu2")])
+def test_other_activations_and_vocabularies_load(tmp_path, activation_function, ours):
+    """GPT-2's network with another activation transformers and our GPT share, and another vocabulary (as
+    GPT.save_pretrained writes for a character model)."""
+    hf = random_gpt2(vocab_size=100, activation_function=activation_function, **TINY)
+    hf.save_pretrained(tmp_path)
+    model = GPT.from_pretrained(str(tmp_path), mlp="eager").eval()
+    assert (model.config.activation, model.config.vocab_size) == (ours, 100)
+    idx = torch.randint(0, 100, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(all_logits(model, idx), hf(idx).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_block_size_crops_the_position_table(tiny):
@@ -193,9 +207,9 @@ def test_clear_errors(tiny, tmp_path):
     error("has a tensor 'transformer.h.0.mlp.c_gate.weight' that GPT-2 does not",
           write_checkpoint(tmp_path / "extra", extra, source=good))
     # A config.json our GPT would load but compute differently from.
-    error("activation_function='relu', but GPT-2 \\(and our GPT\\) needs 'gelu_new' or",
-          write_checkpoint(tmp_path / "relu", tensors, {"activation_function": "relu"}, source=good))
-    error("vocab_size=50304, but GPT-2 .* needs 50257",
+    error("activation_function='silu', but GPT-2 \\(and our GPT\\) needs 'gelu' or 'gelu_new' or 'relu' or 'relu2' or",
+          write_checkpoint(tmp_path / "silu", tensors, {"activation_function": "silu"}, source=good))
+    error(r"tensor 'transformer.wte.weight' has shape \(50257, 32\), but its config.json implies \(50304, 32\)",
           write_checkpoint(tmp_path / "vocab", tensors, {"vocab_size": 50304}, source=good))
     error("n_inner=64, but", write_checkpoint(tmp_path / "inner", tensors, {"n_inner": 64}, source=good))
     # A damaged weights file is a failed run (exit 1) naming the file, not a traceback.
@@ -214,8 +228,8 @@ def run_loader(code, env_changes, timeout=120):
                           text=True, timeout=timeout)
 
 
-FROM_NAME = ("import sys, errors, model\n"
-             "model.HUB_TIMEOUT = 2\n"
+FROM_NAME = ("import sys, errors, hf_gpt2, model\n"
+             "hf_gpt2.HUB_TIMEOUT = 2\n"
              "sys.exit(errors.run_main('sample.py', lambda argv: print(model.GPT.from_pretrained('gpt2').config)))")
 
 
