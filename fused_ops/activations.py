@@ -33,32 +33,43 @@ def kernel_activations(name):
     raise ValueError(f"activation must be one of {list(PLAIN) + list(GATED)}, got {name!r}")
 
 
-# NaN and inf: each function returns NaN / inf exactly where PyTorch's eager activation (and its autograd
-# derivative) does in the same dtype, so a diverged run's NaN reaches the loss, where train.py stops.
-# Comparisons with NaN are false, so a branch is written to fall through to x for NaN: tl.maximum(x, 0)
-# and tl.where(x > 0, x, 0) both give 0 there.
+# NaN, inf and overflow: each function and its derivative give what tests/special_values.py writes down,
+# machine-independently (docs/numerics.md): NaN for NaN (except the derivatives of identity, a constant 1,
+# and relu, 1 as PyTorch's relu backward), the mathematical limit at ±inf, and for finite x the exact value
+# rounded to the output dtype, inf where that overflows (relu2(1e20)). A diverged run's NaN so reaches the
+# loss, where train.py stops. Comparisons with NaN are false, so a branch is written to fall through to x
+# for NaN: tl.maximum(x, 0) and tl.where(x > 0, x, 0) both give 0 there.
+#
+# Where a factor that vanishes in a tail multiplies x (GELU's x·Φ(x) and x·φ(x), SiLU's x·σ(x), the tanh
+# GELU's x·(1 - t²)·(1 + 3c·x²)), x is clamped to ±TAIL first: beyond it that factor is exactly 0 (or the
+# other one exactly 1) in fp32 and fp64 alike, so the clamp changes no finite result, and ±inf (or a finite
+# x whose x² overflows) gives the limit instead of inf·0 = NaN. The clamps are where()s, which keep NaN.
 #
 # tanh and sigmoid are written out through exp where they are used: libdevice's tanh is missing under
 # the CPU interpreter, and the interpreter breaks on jit helpers nested two calls deep.
 # tanh(x) = 2 / (1 + exp(-2x)) - 1;  sigmoid(x) = 1 / (1 + exp(-x)).
+TAIL = tl.constexpr(1000.0)  # exp(-1000) and e^(-1000²/2) are 0 in fp64, so σ(-TAIL), Φ(-TAIL), φ(TAIL) too
 
 
 @triton.jit
 def activation(x, NAME: tl.constexpr):
     if NAME == "identity":
         return x
-    elif NAME == "gelu":
-        return 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
+    elif NAME == "gelu":  # x clamped below: gelu(-inf) = -0, the limit, not -inf · 0
+        xl = tl.where(x < -TAIL, -TAIL, x)
+        return 0.5 * xl * (1.0 + tl.erf(xl * SQRT_HALF))
     elif NAME == "gelu_tanh":
-        t = 2.0 / (1.0 + tl.exp((x + x * x * x * GELU_TANH_C) * (-2.0 * SQRT_2_OVER_PI))) - 1.0
-        return 0.5 * x * (1.0 + t)
+        xl = tl.where(x < -TAIL, -TAIL, x)
+        t = 2.0 / (1.0 + tl.exp((xl + xl * xl * xl * GELU_TANH_C) * (-2.0 * SQRT_2_OVER_PI))) - 1.0
+        return 0.5 * xl * (1.0 + t)
     elif NAME == "relu":  # not tl.maximum(x, 0.0), which turns NaN into 0 (see the note above)
         return tl.where(x < 0.0, 0.0, x)
     elif NAME == "relu2":
         r = tl.where(x < 0.0, 0.0, x)
         return r * r
     elif NAME == "silu":
-        return x / (1.0 + tl.exp(-x))
+        xl = tl.where(x < -TAIL, -TAIL, x)
+        return xl / (1.0 + tl.exp(-xl))
     elif NAME == "sigmoid":
         return 1.0 / (1.0 + tl.exp(-x))
     else:
@@ -71,18 +82,21 @@ def activation_grad(x, NAME: tl.constexpr):
     """d activation(x) / dx."""
     if NAME == "identity":  # exactly 1, also at NaN / inf (x * 0 + 1 would be NaN there); where() keeps
         return tl.where(x == x, 1.0, 1.0)  # x's shape and layout, also in the Gluon kernel (pingpong.py)
-    elif NAME == "gelu":
-        return 0.5 * (1.0 + tl.erf(x * SQRT_HALF)) + x * tl.exp(-0.5 * x * x) * INV_SQRT_2PI
-    elif NAME == "gelu_tanh":
-        t = 2.0 / (1.0 + tl.exp((x + x * x * x * GELU_TANH_C) * (-2.0 * SQRT_2_OVER_PI))) - 1.0
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (1.0 + x * x * (3.0 * GELU_TANH_C)) * SQRT_2_OVER_PI
+    elif NAME == "gelu":  # x·φ(x) with x clamped to ±TAIL: 0, not inf · 0, at ±inf
+        xc = tl.where(x < -TAIL, -TAIL, tl.where(x > TAIL, TAIL, x))
+        return 0.5 * (1.0 + tl.erf(x * SQRT_HALF)) + xc * tl.exp(-0.5 * xc * xc) * INV_SQRT_2PI
+    elif NAME == "gelu_tanh":  # clamped as gelu's: x·(1 - t²)·(1 + 3c·x²) was NaN from |x| ~ 1e19 (x² overflows)
+        xc = tl.where(x < -TAIL, -TAIL, tl.where(x > TAIL, TAIL, x))
+        t = 2.0 / (1.0 + tl.exp((xc + xc * xc * xc * GELU_TANH_C) * (-2.0 * SQRT_2_OVER_PI))) - 1.0
+        return 0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * (1.0 + xc * xc * (3.0 * GELU_TANH_C)) * SQRT_2_OVER_PI
     elif NAME == "relu":  # 1 at NaN, as PyTorch's relu backward (it zeroes the gradient where relu(x) <= 0)
         return tl.where(x <= 0.0, 0.0, 1.0)
     elif NAME == "relu2":
         return 2.0 * tl.where(x < 0.0, 0.0, x)
-    elif NAME == "silu":
-        s = 1.0 / (1.0 + tl.exp(-x))
-        return s * (1.0 + x * (1.0 - s))
+    elif NAME == "silu":  # σ(x)·(1 + x·(1 - σ(x))), x clamped: 1 at +inf and -0 at -inf, not inf · 0
+        xc = tl.where(x < -TAIL, -TAIL, tl.where(x > TAIL, TAIL, x))
+        s = 1.0 / (1.0 + tl.exp(-xc))
+        return s * (1.0 + xc * (1.0 - s))
     elif NAME == "sigmoid":
         s = 1.0 / (1.0 + tl.exp(-x))
         return s * (1.0 - s)
@@ -103,7 +117,8 @@ def gelu_and_grad_16bit(x):
     """(GELU(x), GELU'(x)) = (x·Φ(x), Φ(x) + x·φ(x)) for 16-bit outputs: one reciprocal square root,
     one exp2 and a short polynomial an element, where libdevice's erf takes several times as many
     instructions and made the ping-pong kernel's epilogue, not its MMAs, the bottleneck (docs/performance.md).
-    NaN gives NaN, +inf gives (inf, NaN) and -inf (NaN, NaN), as PyTorch's erf-based GELU does.
+    NaN gives (NaN, NaN), +inf (inf, 1) and -inf (-0, -0): the limits (tests/special_values.py; eager
+    PyTorch gives NaN for all but gelu(+inf), and on AVX-512 CPUs for that too in fp32).
     Φ(-|x|) = φ(x)·√(2π)·t·S(t) (see GELU_CDF_T) is within ~1e-5 of Φ, relative, in both tails: far
     under the 3.9e-3 (bf16) and 4.9e-4 (fp16) of the outputs it is used for, not under fp32's."""
     # t = 1/d as rsqrt(d²): one MUFU.RSQ and a multiply, where a division (even tl.fdiv's approximate
@@ -121,4 +136,7 @@ def gelu_and_grad_16bit(x):
     gauss = tl.exp2(x * x * NEG_HALF_LOG2E)  # exp(-x²/2) = φ(x)·√(2π)
     tail = gauss * t * s  # Φ(-|x|)
     cdf = tl.where(x >= 0.0, 1.0 - tail, tail)
-    return x * cdf, cdf + x * gauss * INV_SQRT_2PI
+    # x clamped where it multiplies a factor that is 0 beyond ±TAIL (see TAIL): the limits at ±inf, not inf · 0
+    xl = tl.where(x < -TAIL, -TAIL, x)
+    xc = tl.where(xl > TAIL, TAIL, xl)
+    return xl * cdf, cdf + xc * gauss * INV_SQRT_2PI

@@ -1,16 +1,27 @@
 """The two row kernels of the folded LayerNorm (fuse_ln; the matmul itself is in linear_act.py).
 
-Forward, before the matmul: `layernorm_stats` reads each row of x once and writes its mean and 1/std
-(2, M), in fp32 (fp64 for fp64). The matmul kernel then normalizes every A tile it loads with them,
-so each row's statistics are computed once, not once per output tile.
+Forward, before the matmul: `layernorm_stats` reads each row of x once and writes (3, M) statistics in
+fp32 (fp64 for fp64): the mean rounded to the accumulator dtype, 1/std, and the mean's rounding residual
+(the exact mean of the row minus row 0, to within the rounding of numbers the size of the spread). The
+matmul kernel then normalizes every A tile it loads with them, x̂ = ((x - mean) - residual)·rstd, so
+each row's statistics are computed once, not once per output tile.
 
-The statistics are taken in two passes over a row held in registers: the mean first, then the mean of
-squared deviations from it. Rows of the residual stream can have a mean far larger than their spread,
-and there E[x²] - E[x]² subtracts two nearly equal numbers and loses the variance (tested).
+The statistics are taken in passes over a row held in registers: the mean first, then the mean of the
+deviations from it (the residual), then the mean of squared deviations. Rows of the residual stream can
+have a mean far larger than their spread, and there
+- E[x²] - E[x]² subtracts two nearly equal numbers and loses the variance (tested);
+- the mean itself, sum(x)/C in fp32, is off by up to a few ulps *of the mean* (the running sum rounds
+  at the size of C·mean), and every x̂ of the row moves by that error times rstd, in the same direction.
+  At mean 29 and unit spread that is ~2e-6 of x̂; eager's fp32 LayerNorm has a similar but different
+  error, so a row where eager's happened to be small had up to ~10x its error (issue 27; with identical rows,
+  stride 0, nothing averages out over rows in the weight gradients). x - mean is exact for the x near
+  the mean (Sterbenz), so sum(x - mean) recovers that error from numbers of the spread's size, and
+  subtracting it as well leaves x̂ with only the rounding of x - mean itself: as good as float64 gives
+  for fp32 inputs, whatever the mean.
 
 Backward: grad_ln = grad_pre @ W (the gradient at the LayerNorm's output, from cuBLAS) and, in one pass
 over the rows, `layernorm_backward`
-    - recomputes ln = x̂·γ + β (x̂ = (x - mean)·rstd), which the weight gradient grad_pre.T @ ln needs,
+    - recomputes ln = x̂·γ + β (x̂ = ((x - mean) - residual)·rstd), which the weight gradient grad_pre.T @ ln needs,
     - writes dx = rstd · (g - mean(g) - x̂ · mean(g·x̂)) with g = grad_ln·γ,
     - sums dγ = Σ grad_ln·x̂ and dβ = Σ grad_ln over its rows into its own row of a small fp32 buffer
       (deterministic, no atomics); the launcher adds those rows up.
@@ -41,16 +52,20 @@ def layernorm_stats_kernel(x_ptr, stats_ptr, M, C, stride_xm, stride_xc, eps,
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
     x = x.to(ACC_DTYPE)
     mean = tl.sum(x, axis=1) / C
-    dev = tl.where(mask, x - mean[:, None], 0.0)
+    dev = tl.where(mask, x - mean[:, None], 0.0)  # exact where x is within 2x of the mean
+    residual = tl.sum(dev, axis=1) / C  # the rounding error of mean, from deviation-sized numbers
+    dev = tl.where(mask, dev - residual[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=1) / C + eps)
     tl.store(stats_ptr + rows, mean, mask=rows < M)
     tl.store(stats_ptr + M + rows, rstd, mask=rows < M)
+    tl.store(stats_ptr + 2 * M + rows, residual, mask=rows < M)
 
 
 def layernorm_stats(x, eps):
-    """(2, M) tensor of each row's mean and 1 / sqrt(var + eps) for a 2-D x of any strides."""
+    """(3, M) tensor of each row's mean, 1 / sqrt(var + eps) and the mean's residual (exact mean - row 0,
+    see the module docstring) for a 2-D x of any strides."""
     M, C = x.shape
-    stats = torch.empty((2, M), device=x.device, dtype=_acc_dtype(x.dtype))
+    stats = torch.empty((3, M), device=x.device, dtype=_acc_dtype(x.dtype))
     if M > 0:
         block_c = triton.next_power_of_2(C)
         block_m = min(triton.next_power_of_2(M), max(1, STATS_BLOCK // block_c))
@@ -86,7 +101,8 @@ def layernorm_backward_kernel(
         x = tl.load(x_ptr + row64 * stride_xm + cols * stride_xc, mask=mask, other=0.0).to(ACC_DTYPE)
         mean = tl.load(stats_ptr + row, mask=in_rows, other=0.0)
         rstd = tl.load(stats_ptr + M + row, mask=in_rows, other=0.0)
-        x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+        residual = tl.load(stats_ptr + 2 * M + row, mask=in_rows, other=0.0)
+        x_hat = tl.where(mask, ((x - mean) - residual) * rstd, 0.0)
         grad = tl.load(grad_ptr + row64 * stride_gm + cols, mask=mask, other=0.0).to(ACC_DTYPE)
         tl.store(ln_ptr + row64 * stride_lnm + cols, (x_hat * w + b).to(ln_ptr.dtype.element_ty), mask=mask)
         dw += grad * x_hat
@@ -102,7 +118,7 @@ def layernorm_backward(x, grad_ln, ln_weight, ln_bias, stats):
     """Gradients of LN(x) = x̂·γ + β from grad_ln (the gradient at its output) and the saved row stats.
 
     x: (M, C) of any strides; grad_ln: (M, C) with unit column stride, in the dtype the matmul ran in;
-    ln_weight / ln_bias: (C,) or None; stats: (2, M) from layernorm_stats. Returns (dx in x's dtype,
+    ln_weight / ln_bias: (C,) or None; stats: (3, M) from layernorm_stats. Returns (dx in x's dtype,
     ln in grad_ln's dtype, dγ or None, dβ or None): under autocast x is fp32 and the matmul 16-bit, and
     ln is what eager's linear layer would have saved, the LayerNorm output rounded to the matmul's dtype.
     """
@@ -110,8 +126,8 @@ def layernorm_backward(x, grad_ln, ln_weight, ln_bias, stats):
     if grad_ln.shape != (M, C) or (C > 1 and grad_ln.stride(1) != 1):
         raise ValueError(f"grad_ln must have shape {(M, C)} and unit column stride, got {tuple(grad_ln.shape)} "
                          f"with strides {grad_ln.stride()}")
-    if stats.shape != (2, M):
-        raise ValueError(f"stats must have shape {(2, M)} (row means and 1/std), got {tuple(stats.shape)}")
+    if stats.shape != (3, M):
+        raise ValueError(f"stats must have shape {(3, M)} (row means, 1/std, mean residuals), got {tuple(stats.shape)}")
     dx = torch.empty((M, C), device=x.device, dtype=x.dtype)
     ln = torch.empty((M, C), device=x.device, dtype=grad_ln.dtype)
     programs = cdiv(M, LAYERNORM_ROWS_PER_PROGRAM)

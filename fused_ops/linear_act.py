@@ -12,7 +12,8 @@ reads exactly as many values as it would read of z.
 
 LayerNorm fold (ln_linear_act_forward): act(LN(x) @ W.T + b) from the raw x, without writing LN(x).
 A small row kernel first computes each row's mean and 1/std (layernorm.layernorm_stats, once per row);
-the matmul then normalizes every A tile as it loads it, (x - mean)·rstd·γ + β in fp32, and rounds only
+the matmul then normalizes every A tile as it loads it, ((x - mean) - residual)·rstd·γ + β in fp32
+(residual: the mean's own rounding error, see layernorm.py), and rounds only
 that to the weight's dtype: the values eager LayerNorm then Linear multiply. x itself is never rounded
 (under autocast it stays fp32): in 16 bits, a row whose mean is large against its spread keeps little
 more than the mean's digits. Normalizing before the dot, rather than folding γ, β into W and
@@ -112,8 +113,8 @@ def ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, 
     """act(LayerNorm(x) @ weight.T + bias) with the LayerNorm folded into the matmul (γ = ln_weight and
     β = ln_bias may be None). x may be fp32 while the weights are 16-bit (autocast: LayerNorm runs in fp32);
     out and saved then take the weights' dtype. Returns (out, saved or None, stats or None), saved as in
-    linear_act_forward; stats (2, M) holds each row's mean and 1/std in fp32 (fp64 for fp64), what the
-    LayerNorm backward needs."""
+    linear_act_forward; stats (3, M) holds each row's mean, 1/std and the mean's rounding residual in fp32
+    (fp64 for fp64), what the LayerNorm backward needs."""
     stats = layernorm_stats(x, eps)
     out, saved, _ = _launch(x, weight, bias, activation, save, out, saved, ln=(ln_weight, ln_bias, stats))
     return out, saved, (stats if save else None)

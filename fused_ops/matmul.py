@@ -55,8 +55,8 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
     when K % BLOCK_K != 0. INT64 switches to 64-bit offsets when some element offset reaches 2**31 (see needs_int64).
 
     With LAYERNORM (the LayerNorm fold), A is the raw input and each A tile is normalized as it is
-    loaded: a = (a - mean)·rstd·γ + β in the accumulator dtype, with the row statistics from stats_ptr
-    ((2, M): means, then 1/std; see layernorm.layernorm_stats) and γ / β from ln_w_ptr / ln_b_ptr (with
+    loaded: a = ((a - mean) - residual)·rstd·γ + β in the accumulator dtype, with the row statistics from
+    stats_ptr ((3, M): means, 1/std, the means' rounding residuals; see layernorm.layernorm_stats) and γ / β from ln_w_ptr / ln_b_ptr (with
     LN_WEIGHT / LN_BIAS). Only the normalized value is rounded to B's dtype for the dot, as eager
     LayerNorm then Linear would round it: rounding the raw row first (to 16 bits, under autocast) would
     keep only the digits of its mean when the mean is large against the spread. Returns (acc, acc2).
@@ -91,6 +91,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
         if LAYERNORM:  # rows past M get mean 0 and rstd 0: zeros, like the masked rows of A
             row_mean = tl.load(stats_ptr + offs_m, mask=offs_m < M, other=0.0).to(ACC_DTYPE)[:, None]
             row_rstd = tl.load(stats_ptr + M + offs_m, mask=offs_m < M, other=0.0).to(ACC_DTYPE)[:, None]
+            row_residual = tl.load(stats_ptr + 2 * M + offs_m, mask=offs_m < M, other=0.0).to(ACC_DTYPE)[:, None]
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a_mask, b_mask = m_mask, n_mask
@@ -99,7 +100,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
                 a_mask, b_mask = m_mask & (rk[None, :] < k_left), n_mask & (rk[:, None] < k_left)
             a = tl.load(a_ptrs, mask=a_mask, other=0.0)
             if LAYERNORM:  # columns past K need no mask: B's rows there load as zeros
-                a = (a.to(ACC_DTYPE) - row_mean) * row_rstd
+                a = ((a.to(ACC_DTYPE) - row_mean) - row_residual) * row_rstd
                 in_k = rk < K - k * BLOCK_K
                 if LN_WEIGHT:
                     a *= tl.load(ln_w_ptr + k * BLOCK_K + rk, mask=in_k, other=0.0).to(ACC_DTYPE)[None, :]

@@ -15,10 +15,13 @@ Backward:  grad_ln = grad_z @ W1                           (cuBLAS)
            dW1 = grad_z.T @ ln                              (cuBLAS)
 """
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .activations import kernel_activations
-from .ops import dgrad_op, layernorm_backward_op, linear_act_op, ln_linear_act_op
+from .ops import dgrad_op, fused_op, layernorm_backward_op, linear_act_op, ln_linear_act_op
 from .tuning import INTERPRET
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: interpreter only
@@ -136,34 +139,76 @@ class FusedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x2, w_fc, w_proj, h, saved, ln_weight, ln_bias, stats = ctx.saved_tensors
-        if not torch.compiler.is_compiling():  # (a compiled graph frees its buffers itself)
-            # Drop the graph's references now (a no-op under retain_graph=True), so that h and dh/dz are
-            # freed at their last use below instead of when backward returns: this keeps the fused MLP's
-            # memory peak in backward under eager's (its grad_z and grad_x would otherwise come on top).
-            ctx.maybe_clear_saved_tensors()
-        # needs_input_grad has one entry per argument given: pad for calls without the LayerNorm ones.
-        need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj, _, need_ln_w, need_ln_b = \
-            (tuple(ctx.needs_input_grad) + (False,) * 3)[:8]
-        g = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_w_proj = g.t() @ h if need_w_proj else None
-        del h
-        grad_b_proj = g.sum(0) if need_b_proj else None
-        bias_grad = ctx.has_bias[0] and need_b_fc
-        grad_x = grad_w_fc = grad_b_fc = grad_ln_w = grad_ln_b = None
-        if need_x or need_w_fc or bias_grad or need_ln_w or need_ln_b:  # else nothing below the activation needs one
-            grad_pre, grad_b_fc = dgrad_op(g, w_proj, saved, ctx.activation, bias_grad)
-            del saved
-            grad_b_fc = grad_b_fc.to(grad_pre.dtype) if bias_grad else None
-            if ctx.fold_ln:
-                grad_x2, ln, grad_ln_w, grad_ln_b = layernorm_backward_op(x2, grad_pre @ w_fc, ln_weight, ln_bias, stats)
-                grad_ln_w, grad_ln_b = (grad_ln_w if need_ln_w else None), (grad_ln_b if need_ln_b else None)
-                grad_w_fc = grad_pre.t() @ ln if need_w_fc else None
-            else:
-                grad_x2 = grad_pre @ w_fc if need_x else None
-                grad_w_fc = grad_pre.t() @ x2 if need_w_fc else None
-            grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need_x else None
-        return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj, None, grad_ln_w, grad_ln_b, None
+        return _backward(ctx, grad_y)
+
+
+def _backward(ctx, grad_y):
+    """The gradients of (x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps): FusedMLPFunction's
+    backward, and the mlp operator's (the same ctx fields, the same order of inputs)."""
+    x2, w_fc, w_proj, h, saved, ln_weight, ln_bias, stats = ctx.saved_tensors
+    if not torch.compiler.is_compiling():  # (a compiled graph frees its buffers itself)
+        # Drop the graph's references now (a no-op under retain_graph=True), so that h and dh/dz are
+        # freed at their last use below instead of when backward returns: this keeps the fused MLP's
+        # memory peak in backward under eager's (its grad_z and grad_x would otherwise come on top).
+        ctx.maybe_clear_saved_tensors()
+    # needs_input_grad has one entry per argument given: pad for calls without the LayerNorm ones.
+    need_x, need_w_fc, need_b_fc, need_w_proj, need_b_proj, _, need_ln_w, need_ln_b = \
+        (tuple(ctx.needs_input_grad) + (False,) * 3)[:8]
+    g = grad_y.reshape(-1, grad_y.shape[-1])
+    grad_w_proj = g.t() @ h if need_w_proj else None
+    del h
+    grad_b_proj = g.sum(0) if need_b_proj else None
+    bias_grad = ctx.has_bias[0] and need_b_fc
+    grad_x = grad_w_fc = grad_b_fc = grad_ln_w = grad_ln_b = None
+    if need_x or need_w_fc or bias_grad or need_ln_w or need_ln_b:  # else nothing below the activation needs one
+        grad_pre, grad_b_fc = dgrad_op(g, w_proj, saved, ctx.activation, bias_grad)
+        del saved
+        grad_b_fc = grad_b_fc.to(grad_pre.dtype) if bias_grad else None
+        if ctx.fold_ln:
+            grad_x2, ln, grad_ln_w, grad_ln_b = layernorm_backward_op(x2, grad_pre @ w_fc, ln_weight, ln_bias, stats)
+            grad_ln_w, grad_ln_b = (grad_ln_w if need_ln_w else None), (grad_ln_b if need_ln_b else None)
+            grad_w_fc = grad_pre.t() @ ln if need_w_fc else None
+        else:
+            grad_x2 = grad_pre @ w_fc if need_x else None
+            grad_w_fc = grad_pre.t() @ x2 if need_w_fc else None
+        grad_x = grad_x2.view(*grad_y.shape[:-1], x2.shape[1]) if need_x else None
+    return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj, None, grad_ln_w, grad_ln_b, None
+
+
+# Inside torch.compile the MLP is one operator with its own backward (torch.library.register_autograd), not the
+# autograd.Function above: a graph holding an autograd.Function (dynamo's autograd_function_apply) is never
+# kept in AOTAutograd's on-disk cache, so every run would trace and partition it again (seconds of start-up).
+@fused_op("mlp")
+def mlp_op(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_proj: Optional[Tensor], activation: str,
+           ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], ln_eps: Optional[float],
+           save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, h, dh/dz, LayerNorm row stats) for a 2-D x; the last three empty unless save (the stats: unless folded)."""
+    y, h, saved, stats = _forward(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps, save)
+    return y, h if save else x.new_empty(0), saved, x.new_empty(0) if stats is None else stats
+
+
+@mlp_op.register_fake
+def _(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps, save):
+    if ln_eps is None:  # the kernels' operators give their fake outputs, the matmul its shape
+        h, saved = linear_act_op.op(x, w_fc, b_fc, activation, save)
+        stats = x.new_empty(0)
+    else:
+        h, saved, stats = ln_linear_act_op.op(x, ln_weight, ln_bias, ln_eps, w_fc, b_fc, activation, save)
+    return h @ w_proj.t(), h if save else x.new_empty(0), saved, stats
+
+
+def _setup_context(ctx, inputs, output):
+    x2, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps, save = inputs
+    _, h, saved, stats = output
+    ctx.activation, ctx.has_bias, ctx.fold_ln = activation, (b_fc is not None, b_proj is not None), ln_eps is not None
+    ctx.save_for_backward(x2, w_fc, w_proj, h, saved, ln_weight, ln_bias, stats)
+
+
+def _op_backward(ctx, grad_y, *_):  # no gradient flows into h, dh/dz or the stats: they are saved, not used
+    return (*_backward(ctx, grad_y), None)
+
+
+torch.library.register_autograd("fused_mlp::mlp", _op_backward, setup_context=_setup_context)
 
 
 def _autocast(*tensors):
@@ -194,9 +239,11 @@ def fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias
     if ln_eps is None and (ln_weight is not None or ln_bias is not None):
         raise ValueError("ln_weight / ln_bias given without ln_eps: pass the LayerNorm's eps to fold it")
     check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, fold_ln=ln_eps is not None)
-    if not torch.is_grad_enabled():  # evaluation, sampling: no autograd node, no dh/dz written, nothing kept
-        y = _forward(x.reshape(-1, x.shape[-1]), w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps,
-                     save=False)[0]
+    tensors = (x, w_fc, b_fc, w_proj, b_proj, ln_weight, ln_bias)
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.compiler.is_compiling() or not save:  # (not save: evaluation, sampling; no autograd node, no dh/dz)
+        y = mlp_op(x.reshape(-1, x.shape[-1]), w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps,
+                   save)[0]
         return y.view(*x.shape[:-1], y.shape[-1])
     return FusedMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps)
 

@@ -78,7 +78,7 @@ def _(grad_y, w2, saved, activation, bias_grad):
 @fused_op("ln_linear_act")
 def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[Tensor], eps: float, weight: Tensor,
                      bias: Optional[Tensor], activation: str, save: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(act(LayerNorm(x) @ weight.T + bias), what backward needs, row stats (2, M)), the last two empty unless save."""
+    """(act(LayerNorm(x) @ weight.T + bias), what backward needs, row stats (3, M)), the last two empty unless save."""
     out, saved, stats = ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, save=save)
     return (out, saved, stats) if save else (out, x.new_empty(0), x.new_empty(0))
 
@@ -87,7 +87,7 @@ def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[T
 def _(x, ln_weight, ln_bias, eps, weight, bias, activation, save):
     out, saved = _linear_act_fake(x.to(weight.dtype), weight, bias, activation, save)  # the weights' dtype (autocast)
     stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return out, saved, x.new_empty((2, x.shape[0]) if save else (0,), dtype=stats_dtype)
+    return out, saved, x.new_empty((3, x.shape[0]) if save else (0,), dtype=stats_dtype)
 
 
 @fused_op("layernorm_backward")

@@ -1,6 +1,8 @@
 """GPU-only checks: bf16/fp16/fp32 at training-size and odd shapes, and a whole GPT under bf16 autocast.
 Skipped without CUDA (the CPU suite covers the same code through the interpreter, without bf16)."""
 
+import math
+
 import pytest
 import torch
 
@@ -8,8 +10,10 @@ from fused_ops import linear_act_dgrad, linear_act_forward
 from fused_ops.linear_act import ln_linear_act_forward
 from fused_ops.mlp import fused_mlp
 from model import GATED_ACTIVATIONS, GPT, GPTConfig
+from fused_ops.activations import kernel_activations
 from numerics import (assert_no_worse_than_eager, check_dgrad, check_linear_act, check_ln_mlp_16bit, check_saved,
-                      eager_act, poisoned)
+                      EPS, ln_mlp_16bit_outputs, poisoned, rel_err)
+from special_values import assert_nonfinite_pattern, mlp_expected
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -131,16 +135,37 @@ def _laid_out(shape, C, mean, layout):
     return torch.randn(*shape, C, device="cuda") + mean
 
 
+POOLED_SEEDS = 16  # seeds whose outputs a small case's errors are measured over, together
+
+
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("act", ["gelu", "relu", "relu2", "swiglu", "geglu", "sigmoid_tanh"])
 @pytest.mark.parametrize("mean", [25.0, 1000.0])
 @pytest.mark.parametrize("case", list(LN_CASES))
 def test_layernorm_fold_large_mean_under_autocast(half, act, mean, case):
-    torch.manual_seed(0)
+    """The 2x rule, measured on enough numbers to mean something. A small case's gradients of γ and β are C
+    numbers each (9 for "16x1x9 strided"), and the fused and eager paths round at different places (the saved
+    16-bit dh/dz against eager's 16-bit grad_h): their errors are independent draws of about the same size, and
+    the ratio of two 9-term norms exceeds 2 about 2.5% of the time (F(9, 9)). Issue 27 (b) was one such draw:
+    seed 0 gave grad_ln_bias 2.4x eager's error, and over 40 seeds the median ratio was 1.04 with 1 seed in 40
+    over 2x, with or without the fold's mean fix (results/gpu_numerics_issue27_h100.txt): noise, not a bias.
+    So a small case is measured over POOLED_SEEDS seeds at once: ‖fused − ref‖ / ‖ref‖ over all their outputs
+    stacked, against the same for eager, with the rule unchanged. A bias survives pooling; noise does not."""
     shape, C, H, layout, bias = LN_CASES[case]
     H = H * 2 // 3 if act in GATED_ACTIVATIONS else H
-    tensors = _ln_mlp_tensors(act, C, H, _laid_out(shape, C, mean, layout), bias=bias)
-    check_ln_mlp_16bit(act, tensors, half, True, torch.randn(*shape, C, device="cuda"), f"{half} {case} mean {mean}")
+    seeds = 1 if math.prod(shape) * C >= 4096 else POOLED_SEEDS
+    pooled = {}
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        tensors = _ln_mlp_tensors(act, C, H, _laid_out(shape, C, mean, layout), bias=bias)
+        grad_y = torch.randn(*shape, C, device="cuda")
+        for name, f, e, r in ln_mlp_16bit_outputs(act, tensors, half, True, grad_y):
+            pooled.setdefault(name, []).append((f.flatten(), e.flatten(), r.flatten()))
+    for name, runs in pooled.items():
+        f, e, r = (torch.cat(parts) for parts in zip(*runs))
+        e_fused, e_eager = rel_err(f, r), rel_err(e, r)
+        assert e_fused <= 2 * e_eager + EPS[half], \
+            f"{act} {half} {case} mean {mean} {name} over {seeds} seed(s): fused error {e_fused:.3e} > 2 x eager {e_eager:.3e} + eps"
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
@@ -158,7 +183,7 @@ def test_layernorm_fold_large_mean_16bit_modules(half, act, mean):
                                  "sigmoid_tanh"])
 @pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf")])
 def test_nan_and_inf_through_the_16bit_kernels(dtype, act, special, monkeypatch):
-    """Non-finite values in a few rows of x: output and every gradient NaN / inf exactly where eager's are.
+    """Non-finite values in a few rows of x: output and every gradient NaN / inf exactly where the math puts them.
     At this size (16-byte aligned rows, 16-bit) a Hopper GPU runs the forward in the ping-pong kernel, whose
     epilogues (its GELU polynomial included) are under test there: asserted by counting its launches."""
     from fused_ops import pingpong
@@ -182,13 +207,14 @@ def test_nan_and_inf_through_the_16bit_kernels(dtype, act, special, monkeypatch)
         return [y] + [t.grad for t in leaves]
 
     fused = run(lambda *t: fused_mlp(*t, act))
-    eager = run(lambda x_, w1, b1, w2, b2: torch.nn.functional.linear(
-        eager_act(act, torch.nn.functional.linear(x_, w1, b1)), w2, b2))
+    # the expectation from the math (tests/special_values.py), not eager's: eager's GELU is NaN at -inf and
+    # its derivatives NaN at ±inf, where the kernels give the limits (issue 27)
+    name, up, _ = kernel_activations(act)
+    expect = mlp_expected(x, *params, name, grad_y, gated_pair=(name, up) if gated else None)
     if special != special:
-        assert eager[0][[7, 150, 299]].isnan().all()
-    for name, f, e in zip(["y", "grad_x", "grad_w_fc", "grad_b_fc", "grad_w_proj", "grad_b_proj"], fused, eager):
-        assert torch.equal(f.isnan(), e.isnan()), f"{name}: NaN in {f.isnan().sum()} places, eager {e.isnan().sum()}"
-        assert torch.equal(f.isinf(), e.isinf()) and torch.equal(f[f.isinf()], e[e.isinf()]), name
+        assert expect[0][[7, 150, 299]].isnan().all()
+    for what, f, e in zip(["y", "grad_x", "grad_w_fc", "grad_b_fc", "grad_w_proj", "grad_b_proj"], fused, expect):
+        assert_nonfinite_pattern(f, e, f"{act} {dtype} {special} {what}")
     if torch.cuda.get_device_capability()[0] == 9 and pingpong.AVAILABLE and pingpong.ENABLED:
         assert "act" in launches
 
