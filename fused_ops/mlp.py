@@ -142,11 +142,13 @@ class FusedMLPFunction(torch.autograd.Function):
         return _backward(ctx, grad_y)
 
 
-def _backward(ctx, grad_y):
+def _backward(ctx, grad_y, traced=False):
     """The gradients of (x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps): FusedMLPFunction's
-    backward, and the mlp operator's (the same ctx fields, the same order of inputs)."""
+    backward, and the mlp operator's (the same ctx fields, the same order of inputs). traced: the operator's,
+    which AOTAutograd traces with fake tensors, so the kernels go in as their operators (never launched)."""
+    dgrad, layernorm_backward = (dgrad_op.op, layernorm_backward_op.op) if traced else (dgrad_op, layernorm_backward_op)
     x2, w_fc, w_proj, h, saved, ln_weight, ln_bias, stats = ctx.saved_tensors
-    if not torch.compiler.is_compiling():  # (a compiled graph frees its buffers itself)
+    if not (traced or torch.compiler.is_compiling()):  # (a compiled graph frees its buffers itself)
         # Drop the graph's references now (a no-op under retain_graph=True), so that h and dh/dz are
         # freed at their last use below instead of when backward returns: this keeps the fused MLP's
         # memory peak in backward under eager's (its grad_z and grad_x would otherwise come on top).
@@ -161,11 +163,11 @@ def _backward(ctx, grad_y):
     bias_grad = ctx.has_bias[0] and need_b_fc
     grad_x = grad_w_fc = grad_b_fc = grad_ln_w = grad_ln_b = None
     if need_x or need_w_fc or bias_grad or need_ln_w or need_ln_b:  # else nothing below the activation needs one
-        grad_pre, grad_b_fc = dgrad_op(g, w_proj, saved, ctx.activation, bias_grad)
+        grad_pre, grad_b_fc = dgrad(g, w_proj, saved, ctx.activation, bias_grad)
         del saved
         grad_b_fc = grad_b_fc.to(grad_pre.dtype) if bias_grad else None
         if ctx.fold_ln:
-            grad_x2, ln, grad_ln_w, grad_ln_b = layernorm_backward_op(x2, grad_pre @ w_fc, ln_weight, ln_bias, stats)
+            grad_x2, ln, grad_ln_w, grad_ln_b = layernorm_backward(x2, grad_pre @ w_fc, ln_weight, ln_bias, stats)
             grad_ln_w, grad_ln_b = (grad_ln_w if need_ln_w else None), (grad_ln_b if need_ln_b else None)
             grad_w_fc = grad_pre.t() @ ln if need_w_fc else None
         else:
@@ -205,7 +207,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _op_backward(ctx, grad_y, *_):  # no gradient flows into h, dh/dz or the stats: they are saved, not used
-    return (*_backward(ctx, grad_y), None)
+    return (*_backward(ctx, grad_y, traced=True), None)
 
 
 torch.library.register_autograd("fused_mlp::mlp", _op_backward, setup_context=_setup_context)

@@ -26,3 +26,28 @@ def test_fused_gpt_compiles_fullgraph_and_matches_eager(fuse_ln):
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
     for (name, p_c), p_e in zip(fused.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_inductor_compiles_the_fused_mlp_and_aot_autograd_can_cache_it():
+    """With Inductor (the default backend) the fused MLP is one operator with its own backward: the same loss and
+    gradients as eager, and a graph AOTAutograd's on-disk cache accepts (it bypasses any graph that holds an
+    autograd.Function, which made every run trace the fused model again: issue 28)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    cfg = dict(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, activation="gelu")
+    eager = GPT(GPTConfig(mlp="eager", **cfg)).to(DEVICE)
+    fused = GPT(GPTConfig(mlp="fused", **cfg)).to(DEVICE)
+    fused.load_state_dict(eager.state_dict())
+    idx = torch.randint(0, 50, (2, 16), device=DEVICE)
+    _, loss_c = torch.compile(fused)(idx, idx)
+    loss_c.backward()
+    _, loss_e = eager(idx, idx)
+    loss_e.backward()
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for (name, p_c), p_e in zip(fused.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0, dict(counters["aot_autograd"])
+    assert counters["aot_autograd"]["autograd_cache_saved"] + counters["aot_autograd"]["autograd_cache_hit"] >= 1
