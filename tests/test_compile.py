@@ -8,6 +8,15 @@ from model import GPT, GPTConfig
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def assert_same_loss_and_gradients(fused, loss_c, eager, idx):
+    """The compiled fused model's loss (its backward done) against the eager model's, and every gradient."""
+    _, loss_e = eager(idx, idx)
+    loss_e.backward()
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
+    for (name, p_c), p_e in zip(fused.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("fuse_ln", [False, True])
 def test_fused_gpt_compiles_fullgraph_and_matches_eager(fuse_ln):
     torch.manual_seed(0)
@@ -21,11 +30,7 @@ def test_fused_gpt_compiles_fullgraph_and_matches_eager(fuse_ln):
     compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
     _, loss_c = compiled(idx, idx)
     loss_c.backward()
-    _, loss_e = eager(idx, idx)
-    loss_e.backward()
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
-    for (name, p_c), p_e in zip(fused.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_loss_and_gradients(fused, loss_c, eager, idx)
 
 
 def test_inductor_compiles_the_fused_mlp_and_aot_autograd_can_cache_it():
@@ -44,10 +49,6 @@ def test_inductor_compiles_the_fused_mlp_and_aot_autograd_can_cache_it():
     idx = torch.randint(0, 50, (2, 16), device=DEVICE)
     _, loss_c = torch.compile(fused)(idx, idx)
     loss_c.backward()
-    _, loss_e = eager(idx, idx)
-    loss_e.backward()
-    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-5)
-    for (name, p_c), p_e in zip(fused.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_loss_and_gradients(fused, loss_c, eager, idx)
     assert counters["aot_autograd"]["autograd_cache_bypass"] == 0, dict(counters["aot_autograd"])
     assert counters["aot_autograd"]["autograd_cache_saved"] + counters["aot_autograd"]["autograd_cache_hit"] >= 1
