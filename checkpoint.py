@@ -187,14 +187,14 @@ def load_model(out_dir, device="cpu", mlp=None):
     return model.eval().to(device), ckpt
 
 
-def resume(ckpt, cfg, optimizer, scaler, batches, rank, world):
+def resume(ckpt, cfg, optimizer, scaler, batches, rank, world, device_type):
     """Continue from a checkpoint: optimizer, scaler, progress, and every process's random streams."""
     optimizer.load_state_dict(ckpt["optimizer"])
     if scaler.is_enabled() and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     it, evaluated = ckpt["iter_num"], ckpt.get("evaluated", True)
     if len(ckpt["rng"]) == world:
-        batches.set_state(set_rng_state(ckpt["rng"][rank], cfg["device"].split(":")[0]))
+        batches.set_state(set_rng_state(ckpt["rng"][rank], device_type))
     else:  # fresh streams that at least do not repeat the first iterations' batches
         torch.manual_seed(cfg["seed"] + rank + 1_000_003 * it)
         batches.gen.manual_seed(cfg["seed"] * 1000 + 1 + rank + 1_000_003 * it)

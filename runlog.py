@@ -4,6 +4,7 @@ time, so it survives any crash), out_dir/loss.png at the end, and Weights & Bias
 Only rank 0 writes.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -32,7 +33,11 @@ class RunLog:
         if cfg["wandb_log"]:
             import wandb  # only when asked for: it is not in requirements.txt
 
-            self.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
+            try:
+                self.wandb = wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"], config=cfg)
+            except Exception as e:  # not logged in, no network: wandb's own errors, many kinds
+                raise errors.UsageError(f"wandb_log=True, but wandb.init failed ({str(e).strip()[:200]}): wandb login, "
+                                        "or WANDB_MODE=offline, or wandb_log=False") from e
 
     def _cut_back(self, resumed_at):
         """A fresh log for a new run; on resume, drop what a crashed run logged after its checkpoint."""
@@ -54,12 +59,22 @@ class RunLog:
         if self.wandb is not None and record["type"] != "run":
             self.wandb.log(wandb_record(record), step=record["iter"])
 
-    def close(self, plot_to=None):
-        if self.master and plot_to:
-            plot_losses(self.path, plot_to)
+    def close(self, failed=False):
+        """Mark the wandb run finished, or failed (a stop, a NaN, an error)."""
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=1 if failed else 0)
             self.wandb = None
+
+
+@contextlib.contextmanager
+def closing(log):
+    """log.close() however the block ends: a wandb run is never left open (nor reused by a later one)."""
+    try:
+        yield log
+    except BaseException:
+        log.close(failed=True)
+        raise
+    log.close()
 
 
 def wandb_record(record):

@@ -14,6 +14,8 @@ import statistics
 import sys
 import time
 
+from tqdm import tqdm
+
 WARMUP_STEPS = 3  # CUDA graphs: a warm-up run, then the capture, then replays; compile's backward on the first
 STEADY_STEPS = 5  # steps after the warm-up that give the steady time a step takes
 
@@ -65,10 +67,10 @@ class Startup:
             lazy = ", ".join(f"{k} {v:.1f} s" for k, v in self.before_steps.items() if v > 0)
             evals = f"; eval {self.evals[0]:.2f} s" + (f" ({lazy})" if lazy else "")
             evals += f", then {self.evals[-1]:.2f} s" if len(self.evals) > 1 else ""
-        print(f"start-up {self.seconds['to first step']:.1f} s to the first step: data "
+        tqdm.write(f"start-up {self.seconds['to first step']:.1f} s to the first step: data "
               f"{self.seconds.get('data', 0):.1f} s, model {self.seconds.get('model', 0):.1f} s; first {len(warm)} steps "
               f"{sum(warm):.1f} s ({inside}); "
-              f"then {steady * 1000:.1f} ms a step{evals}", flush=True)
+              f"then {steady * 1000:.1f} ms a step{evals}")  # (through tqdm: a live progress bar stays whole)
 
 
 def lazy_work():

@@ -32,7 +32,7 @@ import runtime
 import settings
 from configurator import ConfigError
 from model import GPT, GPTConfig
-from runlog import RunLog, check_wandb
+from runlog import RunLog, check_wandb, closing, plot_losses
 from stopping import StopOnSignal, diverged, out_of_memory, stopped_by_signal
 from startup import Startup
 
@@ -149,7 +149,7 @@ def train(cfg, ckpt, argv, device, rank, world):
         torch.manual_seed(cfg["seed"] + rank)  # dropout differs between processes
         progress = checkpoint.Progress()
         if ckpt is not None:  # the optimizer, the iteration and every process's random streams continue
-            progress = checkpoint.resume(ckpt, cfg, optimizer, scaler, batches, rank, world)
+            progress = checkpoint.resume(ckpt, cfg, optimizer, scaler, batches, rank, world, device_type)
         model, eval_model = compile_model(raw_model, cfg, world, device_type, master)
 
     log = RunLog(cfg["out_dir"], master, progress.last_saved, cfg)
@@ -172,11 +172,11 @@ def train(cfg, ckpt, argv, device, rank, world):
         if evaluated:
             checkpoint.keep_best(cfg, master)
 
-    # the loop
+    # the loop (wandb, when on, is closed however it ends)
     bar = tqdm(total=cfg["max_iters"], initial=progress.iter_num, dynamic_ncols=True,
                disable=not (master and cfg["progress"]))
     losses, mfu, local_iter = None, None, 0
-    with StopOnSignal(master, grace=1.0 if world > 1 else 0.0) as stop, bar:
+    with StopOnSignal(master, grace=1.0 if world > 1 else 0.0) as stop, bar, closing(log):
         while True:
             lr = get_lr(progress.iter_num, cfg)
             for group in optimizer.param_groups:
@@ -220,7 +220,8 @@ def train(cfg, ckpt, argv, device, rank, world):
 
     if master:
         startup.report()
-        log.close(plot_to=os.path.join(cfg["out_dir"], "loss.png") if cfg["plot"] else None)
+        if cfg["plot"]:
+            plot_losses(log.path, os.path.join(cfg["out_dir"], "loss.png"))
         if cfg["sample_after"]:
             print_sample(raw_model, meta, autocast, device, progress.iter_num)
     return {"iter_num": progress.iter_num, "best_val_loss": progress.best_val, "losses": losses,

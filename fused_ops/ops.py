@@ -80,7 +80,8 @@ def ln_linear_act_op(x: Tensor, ln_weight: Optional[Tensor], ln_bias: Optional[T
                      bias: Optional[Tensor], activation: str, save: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(act(LayerNorm(x) @ weight.T + bias), what backward needs, row stats (3, M)), the last two empty unless save."""
     out, saved, stats = ln_linear_act_forward(x, ln_weight, ln_bias, eps, weight, bias, activation, save=save)
-    return (out, saved, stats) if save else (out, x.new_empty(0), x.new_empty(0))
+    stats_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32  # as its fake says, saved or not
+    return (out, saved, stats) if save else (out, x.new_empty(0), x.new_empty(0, dtype=stats_dtype))
 
 
 @ln_linear_act_op.register_fake

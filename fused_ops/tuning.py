@@ -20,6 +20,8 @@ it: it compiles hundreds of kernel variants, and tuning each would take far long
 """
 
 import functools
+import hashlib
+import inspect
 import json
 import os
 import time
@@ -195,32 +197,51 @@ class LaunchPlan:
 
 def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=()):
     """Launch with the tuned config for `key` (tuning on first use: every candidate config timed with
-    run_config). Returns the config used (callers that size buffers per row-tile need its BLOCK_M)."""
+    run_config, unless the disk cache has the choice). Returns the config used (callers that size buffers per
+    row-tile need its BLOCK_M)."""
     plan = _plans.get(key)
-    if plan is None:
-        configs = matmul_configs(gated, dtype)
-        name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
-        t0 = time.perf_counter()
-        cfg = configs[0] if len(configs) == 1 else _cached_choice(name, key, configs)
-        if cfg is None:
-            times = []
-            for c in configs:
-                try:
-                    times.append(do_bench(lambda: run_config(kernel, M, N, K, args, consts, c, descriptors),
-                                          warmup=5, rep=25, return_mode="median"))
-                except Exception:  # e.g. a tile that needs more shared memory than this GPU has
-                    times.append(float("inf"))
-            cfg = configs[min(range(len(configs)), key=times.__getitem__)]
-            _remember(name, key, cfg)
+    if plan is not None:
+        plan.launch(M, N, args, descriptors)
+        return plan.cfg
+    configs = matmul_configs(gated, dtype)
+    entry = _cache_entry(kernel, key)
+    t0 = time.perf_counter()
+    cfg = configs[0] if len(configs) == 1 else _cached_choice(entry, configs)
+    if cfg is not None:
+        try:
+            plan = _plans[key] = LaunchPlan(kernel, cfg, consts, K)
+            plan.launch(M, N, args, descriptors)
+        except Exception:
+            if len(configs) == 1:
+                raise
+            _plans.pop(key, None)  # a cached choice this kernel no longer compiles: tune again
+            cfg = None
+    if cfg is None:
+        times = []
+        for c in configs:
+            try:
+                times.append(do_bench(lambda: run_config(kernel, M, N, K, args, consts, c, descriptors),
+                                      warmup=5, rep=25, return_mode="median"))
+            except Exception:  # e.g. a tile that needs more shared memory than this GPU has
+                times.append(float("inf"))
+        cfg = configs[min(range(len(configs)), key=times.__getitem__)]
+        if min(times) < float("inf"):  # (if none ran, the launch below raises the error; nothing is kept)
+            _remember(entry, cfg)
         plan = _plans[key] = LaunchPlan(kernel, cfg, consts, K)
-        TUNING_LOG.append((name, key, cfg, time.perf_counter() - t0))
-    plan.launch(M, N, args, descriptors)
+        plan.launch(M, N, args, descriptors)
+    TUNING_LOG.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), key, cfg,
+                       time.perf_counter() - t0))
     return plan.cfg
 
 
-def _cache_entry(name, key):
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return f"{device} | triton {triton.__version__} | {name} | {key!r}"
+def _cache_entry(kernel, key):
+    """What a kept choice is valid for: this GPU model (not its index), this Triton, this kernel's source (Triton's
+    hash of it and what it calls: an edited kernel is tuned again), and the tuning key."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    source = getattr(kernel, "cache_key", None) or hashlib.sha256(  # (the interpreter's kernels have no cache_key)
+        inspect.getsource(getattr(kernel, "fn", kernel)).encode()).hexdigest()[:16]
+    key = tuple(k.type if isinstance(k, torch.device) else k for k in key)
+    return f"{gpu} | triton {triton.__version__} | {source} | {key!r}"
 
 
 def _describe(cfg):
@@ -236,22 +257,23 @@ def _read_cache():
         return {}
 
 
-def _cached_choice(name, key, configs):
-    """The config tuned for this key on this GPU and Triton in an earlier run, if it is still a candidate."""
+def _cached_choice(entry, configs):
+    """The config an earlier run chose for this entry (_cache_entry), if it is still a candidate."""
     if TUNING_CACHE == "0":
         return None
-    entry = _read_cache().get(_cache_entry(name, key))
-    return next((c for c in configs if entry is not None and _describe(c) == entry), None)
+    chosen = _read_cache().get(entry)
+    return next((c for c in configs if chosen is not None and _describe(c) == chosen), None)
 
 
-def _remember(name, key, cfg):
-    """Add a choice to the cache file: read again, merged, written to a temp file and renamed (a reader never
-    sees half a file; two processes tuning at once lose at most one's new entry)."""
+def _remember(entry, cfg):
+    """Add a choice to the cache file: read again, merged, written to a temp file and renamed. A reader never sees
+    half a file; processes tuning at the same moment (DDP ranks) may drop each other's new entries, which are
+    then tuned again next time."""
     if TUNING_CACHE == "0":
         return
     try:
         os.makedirs(os.path.dirname(os.path.abspath(TUNING_CACHE)), exist_ok=True)
-        cache = {**_read_cache(), _cache_entry(name, key): _describe(cfg)}
+        cache = {**_read_cache(), entry: _describe(cfg)}
         tmp = f"{TUNING_CACHE}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(cache, f, indent=0, sort_keys=True)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import runlog
+import stopping
 import train
 from test_train import ROOT, TINY, dataset, read_log  # noqa: F401 (dataset: test_train's fixture)
 
@@ -23,9 +24,11 @@ def _record(*call):
 class Run:
     def log(self, data, step=None):
         _record("log", data, step)
-    def finish(self):
-        _record("finish")
+    def finish(self, exit_code=0):
+        _record("finish", exit_code)
 def init(project=None, name=None, config=None):
+    if project == "unreachable":
+        raise RuntimeError("wandb.errors.CommError: Run initialization has timed out")
     _record("init", project, name, sorted(config))
     return Run()
 '''
@@ -48,7 +51,7 @@ def test_wandb_log_sends_what_log_jsonl_records(dataset, tmp_path, fake_wandb):
                        "--lr_decay_iters=4", "--wandb_log=True", "--wandb_project=tiny", "--wandb_run_name=run1"])
     calls = json.load(open(fake_wandb))
     assert calls[0][:3] == ["init", "tiny", "run1"] and "learning_rate" in calls[0][3]
-    assert calls[-1] == ["finish"]
+    assert calls[-1] == ["finish", 0]
     logged = [(step, data) for _, data, step in (c for c in calls if c[0] == "log")]
     records = [r for r in read_log(out) if r["type"] != "run"]
     assert len(logged) == len(records)
@@ -60,6 +63,20 @@ def test_wandb_log_sends_what_log_jsonl_records(dataset, tmp_path, fake_wandb):
         else:
             assert (data["train/step_loss"], data["lr"], data["ms"]) == (record["loss"], record["lr"], record["ms"])
     assert [d["iter"] for _, d in logged if "val/loss" in d] == [0, 2, 4]
+
+
+def test_a_failed_run_marks_its_wandb_run_failed(dataset, tmp_path, fake_wandb):
+    with pytest.raises(stopping.TrainingDiverged):
+        train.main(TINY + [f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", "--max_iters=30",
+                           "--learning_rate=1e6", "--grad_clip=0.0", "--warmup_iters=0", "--wandb_log=True"])
+    assert json.load(open(fake_wandb))[-1] == ["finish", 1]
+
+
+def test_wandb_init_failing_is_one_line(dataset, tmp_path, fake_wandb):
+    with pytest.raises(runlog.errors.UsageError, match=r"^wandb_log=True, but wandb.init failed \(wandb.errors.CommError: "
+                                                       r"Run initialization has timed out\): wandb login"):
+        train.main(TINY + [f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", "--wandb_log=True",
+                           "--wandb_project=unreachable"])
 
 
 def test_wandb_log_off_never_imports_wandb(dataset, tmp_path, fake_wandb):

@@ -122,3 +122,14 @@ def test_tuning_choices_are_kept_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "_plans", {})
     assert forward() == [tuning._describe(candidates[1])] and len(timed) == 4  # tuned again, and written again
     assert json.loads(cache.read_text())
+    # a cached choice that no longer launches (an edited kernel, a new Triton): tuned again, not an error
+    real_launch, failures = tuning.LaunchPlan.launch, []
+
+    def launch_failing_once(plan, *args, **kwargs):
+        if not failures:
+            failures.append(plan.cfg)
+            raise RuntimeError("out of resource: shared memory")
+        return real_launch(plan, *args, **kwargs)
+    monkeypatch.setattr(tuning.LaunchPlan, "launch", launch_failing_once)
+    monkeypatch.setattr(tuning, "_plans", {})
+    assert forward() == [tuning._describe(candidates[1])] and len(timed) == 6 and len(failures) == 1
