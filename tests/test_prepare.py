@@ -101,7 +101,7 @@ def test_prepare_local_file_gpt2(tmp_path, monkeypatch, offline_gpt2):
     monkeypatch.setattr(corpus_py, "CHUNK_CHARS", 1)  # cut at every allowed newline
     out = tmp_path / "out"
     meta = prepare.prepare(str(out), source=str(src), tokenizer="gpt2", val_fraction=0.25)
-    assert offline_gpt2 == ["gpt2"]  # tried tiktoken's download first
+    assert offline_gpt2 == []  # the shipped files: no download tried
     assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
     assert "chars" not in meta
     text = SAMPLE * 40
