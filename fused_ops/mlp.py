@@ -131,7 +131,8 @@ class FusedMLPFunction(torch.autograd.Function):
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None, ln_eps=None):
         x2 = x.reshape(-1, x.shape[-1])
         needs_grad = any(ctx.needs_input_grad[:5]) or any(ctx.needs_input_grad[6:8])
-        y, h, saved, stats = _forward(x2, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps, needs_grad)
+        y, h, saved, stats = _forward(x2, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps,
+                                      needs_grad)
         ctx.activation, ctx.has_bias, ctx.fold_ln = activation, (b_fc is not None, b_proj is not None), ln_eps is not None
         if needs_grad:
             ctx.save_for_backward(x2, w_fc, w_proj, h, saved, ln_weight, ln_bias, stats)
@@ -241,12 +242,14 @@ def fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias
     if ln_eps is None and (ln_weight is not None or ln_bias is not None):
         raise ValueError("ln_weight / ln_bias given without ln_eps: pass the LayerNorm's eps to fold it")
     check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, fold_ln=ln_eps is not None)
-    tensors = (x, w_fc, b_fc, w_proj, b_proj, ln_weight, ln_bias)
-    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    if torch.compiler.is_compiling() or not save:  # (not save: evaluation, sampling; no autograd node, no dh/dz)
+    compiling, grad = torch.compiler.is_compiling(), torch.is_grad_enabled()
+    if compiling or not grad:  # (not grad: evaluation, sampling; no autograd node, no dh/dz written)
+        tensors = (x, w_fc, b_fc, w_proj, b_proj, ln_weight, ln_bias)
+        save = grad and any(t is not None and t.requires_grad for t in tensors)
         y = mlp_op(x.reshape(-1, x.shape[-1]), w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps,
                    save)[0]
         return y.view(*x.shape[:-1], y.shape[-1])
+    # Training outside compile, the host-bound path: straight to the Function (it asks needs_input_grad itself).
     return FusedMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight, ln_bias, ln_eps)
 
 
