@@ -54,7 +54,7 @@ def parse_args(argv=None):
     ap.add_argument("--vocab_size", type=int, default=None, help="default: 50304 for BPE configs, else 256")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
-    ap.add_argument("--mlps", default="eager,fused")
+    ap.add_argument("--mlps", default="eager,fused", help="of eager, fused, auto, fp8 (fused in FP8: without compile)")
     ap.add_argument("--compile", default="False,True",
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
                          "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
@@ -107,7 +107,8 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     """(model, step): the model built from `state` for one variant, and step(i), one training step on
     batches[i % len(batches)] that returns the last micro-batch's loss tensor (no synchronization)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(mlp=mlp, dropout=0.0, **model_args)).to(args.device)
+    fp8 = mlp == "fp8"  # the fused MLP with its GEMMs in FP8 (fused_ops/fp8.py; not compiled in this stage)
+    model = GPT(GPTConfig(mlp="fused" if fp8 else mlp, fp8=fp8, dropout=0.0, **model_args)).to(args.device)
     model.load_state_dict(state)
     opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), args.device.split(":")[0])
     step_model = torch.compile(model, mode=None if compiled is True else compiled) if compiled else model
@@ -197,7 +198,8 @@ def run(args):
     batches = make_batches(model_args, batch_size, args)
     torch.manual_seed(0)
     state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
-    variants = [(m, compile_setting(c)) for c in args.compile.split(",") for m in args.mlps.split(",")]
+    variants = [(m, compile_setting(c)) for c in args.compile.split(",") for m in args.mlps.split(",")
+                if not (m == "fp8" and compile_setting(c))]  # FP8 runs uncompiled in this first stage
     rows = []
     for mlp, compiled in tqdm(variants, desc="variants"):
         rows.append(run_variant(model_args, state, mlp, compiled, batches, args, dtype))

@@ -1,4 +1,5 @@
-"""Time the MLP alone: the fused kernels against cuBLAS matmuls, eager PyTorch and torch.compile.
+"""Time the MLP alone: the fused kernels against cuBLAS matmuls, eager PyTorch and torch.compile, and (on a GPU
+with FP8 tensor cores) the FP8 fused MLP against the bf16 one and torchao's float8 training (where installed).
 
     python bench_mlp.py                      # GPT-2 small MLP (M=12288, C=768), gelu and swiglu, bf16
     python bench_mlp.py --widths 768,1024,2048,4096 --out results/mlp.json
@@ -24,7 +25,7 @@ import triton
 from triton.testing import do_bench
 
 import errors
-from fused_ops import linear_act_dgrad, linear_act_forward
+from fused_ops import fp8_supported, linear_act_dgrad, linear_act_forward
 from fused_ops.tuning import TUNING_LOG
 from model import MLP, GPTConfig
 from tests.numerics import EPS, rel_err
@@ -169,6 +170,8 @@ def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=
             row[f"{name}_fwdbwd_ms"] = bench(fwd_bwd(m), device, grad_to_none=params)
             # the same fwd + bwd replayed as one CUDA graph: GPU time only (CUDA only)
             row[f"{name}_graph_fwdbwd_ms"] = bench(graphed_fwd_bwd(m, x, dy)[0], device) if x.is_cuda else None
+    if x.is_cuda and fp8_supported(x.device):
+        row.update(fp8_case(cfg, mlp, fused, x, dy, ref, device, dtype))
     if not kernels:
         return row
 
@@ -183,6 +186,43 @@ def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=
     gp = torch.empty_like(saved)
     row["matmul_dgrad_ms"] = bench(lambda: dy @ w2, device)
     row["kernel_dgrad_ms"] = bench(lambda: linear_act_dgrad(dy, w2, saved, activation, out=gp), device)
+    return row
+
+
+def torchao_float8(mlp):
+    """torchao's float8 training (tensorwise scaling) on a copy of the eager MLP, compiled as torchao advises; None
+    when torchao is not installed."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return None
+    return torch.compile(convert_to_float8_training(copy.deepcopy(mlp)))
+
+
+def fp8_case(cfg, mlp, fused, x, dy, ref, device, dtype, rounds=3):
+    """FP8 fused against bf16 fused and torchao float8 + compile: fwd + bwd as CUDA graphs (GPU time), timed in
+    `rounds` rounds, the order reversed every other round. Also each FP8 path's largest relative error against
+    float64 (their yardstick is the recipe itself: tests/test_fp8.py)."""
+    fp8 = MLP(dataclasses.replace(cfg, mlp="fused", fp8=True)).to(device, dtype)
+    fp8.load_state_dict(mlp.state_dict())
+    paths = {"fused": fused, "fp8": fp8, "torchao": torchao_float8(mlp)}
+    paths = {k: m for k, m in paths.items() if m is not None}
+    row = {}
+    for name in ("fp8", "torchao"):
+        if name in paths:
+            m = paths[name]
+            for _ in range(2):  # the second call runs FP8's delayed (fused) path, after the calibrating one
+                xg = x.detach().clone().requires_grad_()
+                y = m(xg)
+                grads = torch.autograd.grad(y, [xg] + list(m.parameters()), dy)
+            row[f"max_rel_err_{name}"] = max(rel_err(o, r) for o, r in zip([y.detach(), *grads], ref))
+    replays = {name: graphed_fwd_bwd(m, x, dy)[0] for name, m in paths.items()}
+    times = {name: [] for name in replays}
+    for r in range(rounds):
+        for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
+            times[name].append(bench(replays[name], device))
+    for name, t in times.items():
+        row[f"{name}_graph_rounds_ms"] = t
     return row
 
 
@@ -263,6 +303,20 @@ def report(args, widths, tokens):
                   f"{r['kernel_fwd_save_ms'] / r['matmul_fc_ms']:8.2f}"
                   f"{r['kernel_fwd_nosave_ms'] / r['matmul_fc_ms']:9.2f}"
                   f"{r['kernel_dgrad_ms'] / r['matmul_dgrad_ms']:9.2f}")
+    fp8_rows = [r for r in rows if "fp8_graph_rounds_ms" in r]
+    if fp8_rows:
+        print("FP8: fwd+bwd as one CUDA graph, GPU time in ms, median (min-max) of rounds alternated in order;"
+              " x: speedup of FP8 fused")
+        print(f"{'case':<16}{'bf16 fused':>20}{'FP8 fused':>20}{'torchao float8+compile':>26}{'xFused':>8}{'xAO':>7}"
+              f"{'err FP8':>9}{'err AO':>9}")
+        for r in fp8_rows:
+            spread = lambda k: (f"{statistics.median(r[k]):.3f} ({min(r[k]):.3f}-{max(r[k]):.3f})" if k in r else "-")
+            f, q = statistics.median(r["fused_graph_rounds_ms"]), statistics.median(r["fp8_graph_rounds_ms"])
+            ao = statistics.median(r["torchao_graph_rounds_ms"]) if "torchao_graph_rounds_ms" in r else None
+            print(f"{r['activation'] + ' C=' + str(r['C']):<16}{spread('fused_graph_rounds_ms'):>20}"
+                  f"{spread('fp8_graph_rounds_ms'):>20}{spread('torchao_graph_rounds_ms'):>26}{f / q:8.2f}"
+                  f"{(ao / q if ao else float('nan')):7.2f}{r['max_rel_err_fp8']:9.2e}"
+                  f"{r.get('max_rel_err_torchao', float('nan')):9.2e}")
     print("fwd ms: " + "  ".join(f"{r['activation']} C={r['C']}: eager {r['eager_fwd_ms']:.3f} compile "
                                  f"{r['compile_fwd_ms']:.3f} fused {r['fused_fwd_ms']:.3f}" for r in rows))
 

@@ -46,6 +46,7 @@ class GPTConfig:
     mlp: str = "eager"  # "eager" | "fused" | "auto"
     activation: str = "gelu"  # a key of PLAIN_ACTIVATIONS or GATED_ACTIVATIONS
     fuse_ln: bool = False  # fold each block's second LayerNorm into the fused MLP's first matmul
+    fp8: bool = False  # train the fused MLP's GEMMs in FP8 (fused_ops/fp8.py); never chosen by "auto"
 
     def __post_init__(self):
         if self.mlp not in MLP_KINDS:
@@ -61,6 +62,12 @@ class GPTConfig:
         if self.fuse_ln and self.mlp == "eager":
             raise ValueError("config key 'fuse_ln' folds the LayerNorm into the fused MLP: it needs mlp='fused' "
                              "or 'auto', got mlp='eager'")
+        if self.fp8 and (self.mlp != "fused" or self.fuse_ln):
+            raise ValueError(f"config key 'fp8' runs the fused MLP's FP8 kernels: it needs mlp='fused' and "
+                             f"fuse_ln=False, got mlp={self.mlp!r}, fuse_ln={self.fuse_ln}")
+        if self.fp8 and (self.n_embd % 16 or self.mlp_hidden % 16):
+            raise ValueError(f"config key 'fp8' needs n_embd ({self.n_embd}) and the MLP's hidden size "
+                             f"({self.mlp_hidden}) to be multiples of 16 (FP8 GEMMs take them so)")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"config key 'n_embd' ({self.n_embd}) must be divisible by 'n_head' ({self.n_head})")
 
@@ -140,8 +147,12 @@ class MLP(nn.Module):
         self.kind, self.fuse_ln = config.mlp, config.fuse_ln
         if self.kind != "eager" and import_fused_ops(required=self.kind == "fused") is None:
             self.kind = "eager"  # "auto" without Triton
+        self.fp8 = fused_ops.FP8State() if config.fp8 else None  # its delayed scales (not saved in checkpoints)
 
     def forward(self, x, norm=None):
+        if self.fp8 is not None:
+            y = fused_ops.fp8_mlp(x if norm is None else norm(x), self.c_fc, self.c_proj, self.activation, self.fp8)
+            return self.dropout(y)
         if self.kind == "fused" or (self.kind == "auto" and fused_ops.kernels_can_run(x)):
             y = fused_ops.fused_mlp_layers(x, self.c_fc, self.c_proj, self.activation, norm, self.fuse_ln)
             return self.dropout(y)

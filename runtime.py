@@ -46,3 +46,16 @@ def check_mlp(mlp, device, source="--mlp=fused"):
     if not (device.startswith("cuda") or (device == "cpu" and fused_ops.kernels_can_run(torch.empty(0)))):
         raise errors.UsageError(f"{source} runs Triton kernels, which need a CUDA GPU (or TRITON_INTERPRET=1 on the "
                                 f"CPU, very slow), and the device is {device}: use --mlp=auto or --mlp=eager")
+
+
+def check_fp8(fp8, device):
+    """fp8=True needs FP8 tensor cores (fused_ops/fp8.py): one line naming the requirement where they are missing."""
+    if not fp8:
+        return
+    fused_ops = model.import_fused_ops(required=True)
+    dev = torch.device(device)
+    if not fused_ops.fp8_supported(dev):
+        where = (f"{torch.cuda.get_device_name(dev)} is sm_{''.join(map(str, torch.cuda.get_device_capability(dev)))}"
+                 if dev.type == "cuda" else f"the device is {device}")
+        raise errors.UsageError(f"--fp8=True needs FP8 tensor cores (an NVIDIA Ada or Hopper GPU, compute capability "
+                                f"8.9+); {where}: use --fp8=False")

@@ -14,7 +14,7 @@ from model import GPTConfig
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that add CUDA graphs
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "mlp", "activation", "fuse_ln")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "mlp", "activation", "fuse_ln", "fp8")
 ARCH_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "activation")  # fixed by the weights
 PRETRAINED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 sizes, as GPT.from_pretrained names them
 
@@ -70,6 +70,8 @@ def check(cfg):
     need(0.0 <= cfg["dropout"] < 1.0, f"config key 'dropout' must be in [0, 1), got {cfg['dropout']}")
     need(isinstance(cfg["compile"], bool) or cfg["compile"] in COMPILE_MODES,
          f"config key 'compile' must be True, False or one of {', '.join(COMPILE_MODES)}; got {cfg['compile']!r}")
+    need(not (cfg["fp8"] and cfg["compile"]),
+         f"config key 'fp8' runs without torch.compile in this first stage: set compile=False (got {cfg['compile']!r})")
     try:  # model.py validates mlp, activation, n_embd % n_head: ask it now, before any data is prepared
         GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
     except ValueError as e:

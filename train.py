@@ -65,6 +65,7 @@ DEFAULTS = dict(
     mlp="auto",  # "eager" | "fused" | "auto"
     activation="gelu",
     fuse_ln=False,  # fold each block's second LayerNorm into the fused MLP (mlp="fused" or "auto")
+    fp8=False,  # FP8 GEMMs in the fused MLP (mlp="fused", compile=False, an Ada or Hopper GPU): fused_ops/fp8.py
     vocab_size=None,  # None: the dataset's vocabulary size
     # AdamW
     learning_rate=6e-4,
@@ -104,6 +105,7 @@ def main(argv=None):
                           f"the number of processes ({world}): each does an equal share of the micro-steps")
     device = runtime.resolve_device(cfg["device"], int(os.environ["LOCAL_RANK"]) if ddp else None)
     runtime.check_mlp(cfg["mlp"], device)  # before any data is prepared
+    runtime.check_fp8(cfg["fp8"], device)
     check_wandb(cfg)
     if ddp:
         if device.startswith("cuda"):
@@ -303,7 +305,7 @@ def load_pretrained(cfg, meta):
                           "--tokenizer=gpt2 (e.g. --dataset=shakespeare)")
     try:
         model = GPT.from_pretrained(name, mlp=cfg["mlp"], dropout=cfg["dropout"], block_size=cfg["block_size"],
-                                    fuse_ln=cfg["fuse_ln"])
+                                    fuse_ln=cfg["fuse_ln"], fp8=cfg["fp8"])
     except (OSError, ValueError) as e:  # not downloadable offline, a folder without the files, a bad block_size
         raise ConfigError(f"init_from={name!r}: {e}") from e
     model_args = {k: getattr(model.config, k) for k in (*settings.MODEL_KEYS, "vocab_size")}

@@ -1,0 +1,491 @@
+"""The FP8 fused MLP (opt-in, first stage): four of the MLP's six GEMMs in FP8, every quantization fused.
+
+Why FP8, and why not everywhere yet. On Hopper the FP8 tensor cores run at twice bf16's rate, but a
+GEMM in FP8 needs both operands quantized (scaled, rounded to 8 bits) and, for the weight-gradient
+GEMMs that reduce over the tokens, transposed: Hopper's FP8 MMA takes only K-major operands. Done as
+separate passes (torchao's float8), the casts, amax reductions and transposes cost more than FP8 saves at
+GPT-2's width (lab/fp8/README.md has the arithmetic). Here each quantized operand is written by the
+kernel that produces it, in the same epilogue, from values still in registers:
+
+    forward    x      -> xᵀ (e4m3)                     one cast + transpose pass (x arrives in bf16)
+               h, s   =  act(x @ W1ᵀ + b1), dh/dz       our bf16 kernel; its epilogue writes h and hᵀ in e4m3, s in bf16
+               y      =  h @ W2ᵀ + b2                   FP8 GEMM (torch._scaled_mm, cuBLAS)
+    backward   gy     -> gyᵀ (e5m2)                    one cast + transpose pass
+               gz     =  (gy @ W2) * s                  our bf16 dgrad kernel; its epilogue writes gz and gzᵀ in e5m2
+               dW2    =  gyᵀ @ h,  dx = gz @ W1,  dW1 = gzᵀ @ x      FP8 GEMMs
+
+The two GEMMs that carry the epilogues (x @ W1ᵀ and gy @ W2) stay bf16 in this stage; the next stage
+gives them FP8 main loops. Activations and weights are e4m3 (more mantissa), gradients e5m2 (more range),
+TransformerEngine's "hybrid" format; every FP8 GEMM pairs one e4m3 operand with the other, as cuBLAS asks.
+
+The scaling recipe: per-tensor delayed scaling (TransformerEngine's). A quantized tensor is
+fp8(v · scale) with one scale per tensor, scale = fp8_max / amax, and the GEMM multiplies its result by
+the two operands' 1/scale. An epilogue writes each tile as soon as it is computed, so it must know the
+scale before the tensor's amax exists: the scale comes from the largest amax of the last `history`
+micro-steps (FP8State), and each kernel folds its tiles' amax into the current one with an atomic max.
+After each backward one tiny kernel moves the current amaxes into the history and computes the next
+scales, on the GPU (no host sync, so CUDA graphs could capture it). Values past the range saturate to
+±fp8_max (the price of a delayed scale when a tensor grows suddenly); the history's max keeps that rare.
+The first call of each MLP has no history: it calibrates, with current scaling through separate passes
+(each tensor's amax measured before it is quantized), and from then on the fused path runs.
+Weights use current scaling, since their FP8 copies (W2 and W1ᵀ) are made once per optimizer step,
+when a parameter's version changes, not per micro-step.
+Rows are padded to a multiple of 16 in the transposed copies (zeros), since the GEMMs reducing over the
+tokens need K % 16 == 0.
+
+Special values: NaN stays NaN (e4m3 and e5m2 have NaN); ±inf becomes NaN (e4m3 has no inf, and a
+saturated inf would hide a diverged run from train.py's loss check); finite values past the range
+saturate. Under no_grad (evaluation, sampling) the MLP runs the bf16 fused path.
+
+Under the Triton interpreter (CPU tests), whose float -> FP8 conversion mis-rounds values that carry into
+the next binade and turns NaN into 384, the kernels encode FP8 by hand (_encode_fp8: round to nearest even
+in fp32, then the bit fields); on a GPU the hardware conversion (round to nearest even) does it.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .activations import activation, activation_grad, kernel_activations
+from .dgrad import linear_act_dgrad
+from .linear_act import linear_act_forward
+from .matmul import column_offsets, matmul_loop, needs_int64, split_columns, tile_ids, tma_operands, _capability
+from .tuning import INTERPRET, cdiv, launch_matmul, tuned_config, matmul_configs
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+X, H, GRAD_Y, GRAD_Z = range(4)  # the slots of FP8State: the tensors quantized with delayed scales
+SLOT_DTYPES = (E4M3, E4M3, E5M2, E5M2)
+FP8_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores
+
+
+def fp8_supported(device):
+    """FP8 GEMMs need FP8 tensor cores (compute capability 8.9+), or the CPU interpreter (tests)."""
+    if device.type == "cuda":
+        return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= FP8_CAPABILITY
+    return INTERPRET and device.type == "cpu"
+
+
+def check_fp8_device(device):
+    """One line naming the requirement, where FP8 cannot run."""
+    if fp8_supported(device):
+        return
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = _capability(index)
+        where = f"{torch.cuda.get_device_name(index)} is sm_{major}{minor}"
+    else:
+        where = f"the device is {device.type}"
+    raise RuntimeError(f"fp8=True needs FP8 tensor cores (an NVIDIA Ada or Hopper GPU, compute capability 8.9+); "
+                       f"{where}: set fp8=False")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantization, as the kernels do it
+
+@triton.jit
+def _encode_fp8(v, OUT: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """The interpreter's FP8 conversion, done by hand: v (finite values within range, or NaN) rounded to nearest
+    even on the grid of the format with MANTISSA bits and exponent bias BIAS, encoded bit by bit."""
+    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 1 - BIAS)  # subnormals: 1 - BIAS
+    ulp = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    steps = (tl.abs(v) / ulp + 12582912.0) - 12582912.0  # 1.5 * 2**23: the fp32 addition rounds to an integer
+    steps = tl.where(v != v, 0.0, steps)  # (NaN is encoded below)
+    r = steps * ulp  # |v| on the grid; the bits of its fp32 encoding give the FP8 fields
+    bits = r.to(tl.int32, bitcast=True)
+    r_exp = ((bits >> 23) & 0xFF) - 127
+    normal = r >= MIN_NORMAL  # 2**(1 - BIAS)
+    field = tl.where(normal, ((r_exp + BIAS) << MANTISSA) | ((bits >> (23 - MANTISSA)) & ((1 << MANTISSA) - 1)),
+                     steps.to(tl.int32))
+    code = tl.where(v != v, 0x7F, field | tl.where(v < 0, 0x80, 0))  # 0x7F: NaN in both formats
+    return code.to(tl.uint8).to(OUT, bitcast=True)
+
+
+@triton.jit
+def quantize(v, scale, OUT: tl.constexpr, EMULATE: tl.constexpr):
+    """fp8(v · scale), saturating finite values, NaN for NaN and ±inf (see the module docstring)."""
+    if OUT == tl.float8e4nv:
+        fp8_max: tl.constexpr = 448.0
+    else:
+        fp8_max: tl.constexpr = 57344.0
+    t = v * scale
+    q = tl.minimum(tl.maximum(t, -fp8_max, propagate_nan=tl.PropagateNan.ALL), fp8_max,
+                   propagate_nan=tl.PropagateNan.ALL)
+    q = tl.where(tl.abs(t) == float("inf"), float("nan"), q)
+    if EMULATE:
+        if OUT == tl.float8e4nv:
+            return _encode_fp8(q, OUT, 3, 7, 0.015625)
+        else:
+            return _encode_fp8(q, OUT, 2, 15, 6.103515625e-05)
+    return q.to(OUT)
+
+
+@triton.jit
+def _store_quantized(v, rows, cols, row_ok, col_ok, M, q_ptr, stride_q, qt_ptr, stride_qt, scale, amax_ptr,
+                     ROW_MAJOR: tl.constexpr, EMULATE: tl.constexpr):
+    """Quantize a tile, fold its amax into amax_ptr, store it row-major (if ROW_MAJOR) and transposed.
+
+    Rows from M up to the transposed copy's padding (row_ok) are written as zeros there."""
+    v = tl.where(rows < M, v, 0.0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+    q = quantize(v, scale, qt_ptr.dtype.element_ty, EMULATE)
+    if ROW_MAJOR:
+        tl.store(q_ptr + rows * stride_q + cols, q, mask=(rows < M) & col_ok)
+    tl.store(qt_ptr + cols * stride_qt + rows, q, mask=row_ok & col_ok)
+
+
+@triton.jit
+def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, stride_xm,
+                          ROW_MAJOR: tl.constexpr, EMULATE: tl.constexpr, INT64: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """qt (C, Mp) = fp8(x · scale)ᵀ with zero columns past M, and (ROW_MAJOR) q (M, C) = fp8(x · scale)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
+    cols = (offs_c.to(tl.int64) if INT64 else offs_c)[None, :]
+    col_ok = cols < C
+    v = tl.load(x_ptr + rows * stride_xm + cols, mask=(rows < M) & col_ok, other=0.0).to(tl.float32)
+    _store_quantized(v, rows, cols, rows < Mp, col_ok, M, q_ptr, C, qt_ptr, Mp, tl.load(scale_ptr), amax_ptr,
+                     ROW_MAJOR, EMULATE)
+
+
+@triton.jit
+def update_scales_kernel(history_ptr, position_ptr, amax_ptr, scale_ptr, inv_scale_ptr, fp8_max_ptr,
+                         HISTORY: tl.constexpr):
+    """For one slot: write the current amax into the history ring, reset it, and set the next scale from
+    the history's max (kept as it was when that max is 0 or not finite: nothing measured, or a NaN run)."""
+    slot = tl.program_id(0)
+    offs = tl.arange(0, HISTORY)
+    position = tl.load(position_ptr + slot)
+    current = tl.load(amax_ptr + slot)
+    history = tl.load(history_ptr + slot * HISTORY + offs)
+    history = tl.where(offs == position, current, history)
+    tl.store(history_ptr + slot * HISTORY + position, current)
+    tl.store(position_ptr + slot, (position + 1) % HISTORY)
+    tl.store(amax_ptr + slot, 0.0)
+    amax = tl.max(history, axis=0)
+    usable = (amax > 0.0) & (amax < float("inf"))
+    scale = tl.where(usable, tl.load(fp8_max_ptr + slot) / tl.where(usable, amax, 1.0), tl.load(scale_ptr + slot))
+    tl.store(scale_ptr + slot, scale)
+    tl.store(inv_scale_ptr + slot, 1.0 / scale)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the two epilogue kernels: bf16 main loops (matmul.matmul_loop), FP8 outputs
+
+@triton.jit
+def fp8_act_epilogue(z, z_up, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, ht8_ptr, saved_ptr, scale_ptr, amax_ptr,
+                     stride_sm, ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, INT64: tl.constexpr, EMULATE: tl.constexpr):
+    """h = act(z) (gated: gate_act(z)·up_act(z_up)) quantized to h8 and h8ᵀ, and dh/dz in 16 bits."""
+    n_mask = offs_n < N
+    if HAS_BIAS:
+        z += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
+        if GATED:
+            z_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
+    rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
+    cols = (offs_n.to(tl.int64) if INT64 else offs_n)[None, :]
+    gate = activation(z, ACTIVATION)
+    up = activation(z_up, UP_ACTIVATION) if GATED else gate
+    _store_quantized(gate * up if GATED else gate, rows, cols, rows < Mp, n_mask[None, :], M, h8_ptr, N, ht8_ptr, Mp,
+                     tl.load(scale_ptr), amax_ptr, True, EMULATE)
+    mask = (rows < M) & n_mask[None, :]
+    saved_ptrs = saved_ptr + rows * stride_sm + cols
+    if GATED:
+        tl.store(saved_ptrs, (up * activation_grad(z, ACTIVATION)).to(saved_ptr.dtype.element_ty), mask=mask)
+        tl.store(saved_ptrs + N, (gate * activation_grad(z_up, UP_ACTIVATION)).to(saved_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        tl.store(saved_ptrs, activation_grad(z, ACTIVATION).to(saved_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_linear_act_kernel(
+    x_ptr, w_ptr, b_ptr, h8_ptr, ht8_ptr, saved_ptr, scale_ptr, amax_ptr, M, Mp, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sm,
+    ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
+    TMA: tl.constexpr, B_KMAJOR: tl.constexpr, EMULATE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """linear_act.linear_act_kernel's main loop (bf16), with fp8_act_epilogue."""
+    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    z, z_up = matmul_loop(
+        x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+        N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
+        TMA=TMA, B_KMAJOR=B_KMAJOR)
+    if SPLIT_EPILOGUE:
+        z_left, z_right = split_columns(z, BLOCK_M, BLOCK_N)
+        up_left, up_right = z_left, z_right
+        if GATED:
+            up_left, up_right = split_columns(z_up, BLOCK_M, BLOCK_N)
+        fp8_act_epilogue(z_left, up_left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), M, Mp, N, b_ptr, h8_ptr,
+                         ht8_ptr, saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
+                         HAS_BIAS, ACC_DTYPE, INT64, EMULATE)
+        fp8_act_epilogue(z_right, up_right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), M, Mp, N, b_ptr, h8_ptr,
+                         ht8_ptr, saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
+                         HAS_BIAS, ACC_DTYPE, INT64, EMULATE)
+    else:
+        fp8_act_epilogue(z, z_up, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), M, Mp, N, b_ptr, h8_ptr, ht8_ptr,
+                         saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS,
+                         ACC_DTYPE, INT64, EMULATE)
+
+
+@triton.jit
+def fp8_dgrad_epilogue(grad_h, offs_m, offs_n, pid_m, M, Mp, N, saved_ptr, gz8_ptr, gzt8_ptr, dbias_ptr, scale_ptr,
+                       amax_ptr, stride_sm, stride_dbm, GATED: tl.constexpr, BIAS_GRAD: tl.constexpr,
+                       ACC_DTYPE: tl.constexpr, INT64: tl.constexpr, EMULATE: tl.constexpr):
+    """grad_z = grad_h · dh/dz for columns offs_n (both halves when gated), quantized to gz8 and gz8ᵀ, and the
+    column sums of the unquantized grad_z (the first linear's bias gradient, as dgrad.py sums them)."""
+    n_mask = offs_n < N
+    rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
+    cols = (offs_n.to(tl.int64) if INT64 else offs_n)[None, :]
+    width = 2 * N if GATED else N
+    scale = tl.load(scale_ptr)
+    for half in tl.static_range(2 if GATED else 1):
+        saved = tl.load(saved_ptr + rows * stride_sm + cols + half * N, mask=(rows < M) & n_mask[None, :], other=0.0)
+        grad = grad_h * saved.to(ACC_DTYPE)
+        _store_quantized(grad, rows, cols + half * N, rows < Mp, n_mask[None, :], M, gz8_ptr, width, gzt8_ptr, Mp,
+                         scale, amax_ptr, True, EMULATE)
+        if BIAS_GRAD:
+            tl.store(dbias_ptr + pid_m * stride_dbm + half * N + offs_n, tl.sum(grad, axis=0), mask=n_mask)
+
+
+@triton.jit
+def fp8_dgrad_kernel(
+    g_ptr, w_ptr, saved_ptr, gz8_ptr, gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, M, Mp, N, K,
+    stride_gm, stride_gk, stride_wk, stride_wn, stride_sm, stride_dbm,
+    GATED: tl.constexpr, BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, INT64: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr, EMULATE: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """dgrad.dgrad_kernel's main loop (bf16: grad_h = grad_y @ W2), with fp8_dgrad_epilogue."""
+    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    grad_h = matmul_loop(g_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_gm, stride_gk,
+                         stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64,
+                         BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR)[0]
+    if SPLIT_EPILOGUE:
+        left, right = split_columns(grad_h, BLOCK_M, BLOCK_N)
+        fp8_dgrad_epilogue(left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), pid_m, M, Mp, N, saved_ptr, gz8_ptr,
+                           gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED, BIAS_GRAD,
+                           ACC_DTYPE, INT64, EMULATE)
+        fp8_dgrad_epilogue(right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), pid_m, M, Mp, N, saved_ptr, gz8_ptr,
+                           gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED, BIAS_GRAD,
+                           ACC_DTYPE, INT64, EMULATE)
+    else:
+        fp8_dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, Mp, N, saved_ptr, gz8_ptr,
+                           gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED, BIAS_GRAD,
+                           ACC_DTYPE, INT64, EMULATE)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the scales' state and the launchers
+
+class FP8State(torch.nn.Module):
+    """One MLP's delayed scales (slots X, H, GRAD_Y, GRAD_Z) and its weights' FP8 copies.
+
+    Buffers, not parameters, and not saved in checkpoints (persistent=False): a resumed run calibrates
+    again on its first step. They stay fp32 whatever dtype the model is cast to."""
+
+    def __init__(self, history=16):
+        super().__init__()
+        if history < 1 or history & (history - 1):
+            raise ValueError(f"history must be a power of two (a Triton block), got {history}")
+        buffers = dict(history=torch.zeros(4, history), position=torch.zeros(4, dtype=torch.int32),
+                       amax=torch.zeros(4), scale=torch.ones(4), inv_scale=torch.ones(4),
+                       fp8_max=torch.tensor([FP8_MAX[d] for d in SLOT_DTYPES]))
+        for name, value in buffers.items():
+            self.register_buffer(name, value, persistent=False)
+        self.calibrated = False
+        self._weights = None  # (the parameters' identity and versions, their FP8 copies)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name, t in self._buffers.items():
+            if t.is_floating_point() and t.dtype != torch.float32:  # model.to(torch.bfloat16) keeps them fp32
+                self._buffers[name] = t.float()
+        self._weights = None
+        return self
+
+    def weights(self, w_fc, w_proj):
+        """(W2 in e4m3 (C, H), its 1/scale, W1ᵀ in e4m3 (C, H or 2H) contiguous, its 1/scale), made again only
+        when a parameter changed (its version counter moves with every in-place update: optimizer steps,
+        load_state_dict), so once per optimizer step however many micro-steps use them."""
+        key = (w_fc.data_ptr(), w_fc._version, w_proj.data_ptr(), w_proj._version, w_fc.dtype)
+        if self._weights is None or self._weights[0] != key:
+            with torch.no_grad():
+                self._weights = (key, (*quantize_weight(w_proj), *quantize_weight(w_fc, transpose=True)))
+        return self._weights[1]
+
+    def extra_repr(self):
+        return f"history={self.history.shape[1]}, calibrated={self.calibrated}"
+
+
+def quantize_weight(w, transpose=False):
+    """(fp8(W · scale) in e4m3, transposed and contiguous if asked; 1/scale), current scaling."""
+    w = w.detach().float()
+    amax = w.abs().amax()
+    scale = torch.where((amax > 0) & amax.isfinite(), FP8_MAX[E4M3] / amax, torch.ones_like(amax))
+    q = (w * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
+    return (q.t().contiguous() if transpose else q), scale.reciprocal().reshape(1)
+
+
+def _set_current_scale(state, slot, t):
+    """Calibration: the slot's scale from t's own amax (where it is finite and nonzero)."""
+    amax = t.detach().abs().amax().float()
+    usable = (amax > 0) & amax.isfinite()
+    scale = torch.where(usable, state.fp8_max[slot] / torch.where(usable, amax, 1.0), state.scale[slot])
+    state.scale[slot] = scale
+    state.inv_scale[slot] = scale.reciprocal()
+
+
+def update_scales(state):
+    """After a backward: every slot's amax into its history, the next scales from the histories."""
+    update_scales_kernel[(4,)](state.history, state.position, state.amax, state.scale, state.inv_scale, state.fp8_max,
+                               HISTORY=state.history.shape[1], num_warps=1)
+
+
+def _padded(m):
+    return -(-m // 16) * 16
+
+
+def cast_transpose(x2, state, slot, row_major=False):
+    """(q (M, C) if row_major else None, qt (C, Mp)): x2 quantized with the slot's scale, its amax folded in."""
+    M, C = x2.shape
+    Mp = _padded(M)
+    qt = torch.empty((C, Mp), device=x2.device, dtype=SLOT_DTYPES[slot])
+    q = torch.empty((M, C), device=x2.device, dtype=qt.dtype) if row_major else qt
+    block = 32 if INTERPRET else 64
+    cast_transpose_kernel[(cdiv(Mp, block), cdiv(C, block))](
+        x2, q, qt, state.scale[slot:], state.amax[slot:], M, C, Mp, x2.stride(0), ROW_MAJOR=row_major,
+        EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=block, BLOCK_C=block)
+    return (q if row_major else None), qt
+
+
+def fp8_linear_act(x2, weight, bias, activation, state):
+    """(h8 (M, N), h8ᵀ (N, Mp), dh/dz (M, weight rows)) for act(x2 @ weight.T + bias): see fp8_act_epilogue."""
+    act, up_act, gated = kernel_activations(activation)
+    M, K = x2.shape
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
+    Mp = _padded(M)
+    h8 = torch.empty((M, N), device=x2.device, dtype=E4M3)
+    ht8 = torch.empty((N, Mp), device=x2.device, dtype=E4M3)
+    saved = torch.empty((M, weight.shape[0]), device=x2.device, dtype=weight.dtype)
+    descriptors, b_kmajor = tma_operands(x2, weight.t())
+    acc_dtype, precision = tl.float32, "ieee"
+    args = (x2, weight, bias if bias is not None else weight, h8, ht8, saved, state.scale[H:], state.amax[H:],
+            M, Mp, N, K, x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), saved.stride(0))
+    consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype,
+                  PRECISION=precision, INT64=needs_int64(x2, weight, saved, ht8), TMA=bool(descriptors),
+                  B_KMAJOR=b_kmajor, EMULATE=INTERPRET)
+    key = ("fp8_linear_act", N, K, x2.dtype, weight.stride(), x2.device, *consts.values())
+    launch_matmul(fp8_linear_act_kernel, M, N, K, args, consts, gated, weight.dtype, key, descriptors=descriptors)
+    return h8, ht8, saved
+
+
+def fp8_dgrad(grad_y, w2, saved, activation, state, bias_grad):
+    """(gz8 (M, W), gz8ᵀ (W, Mp), the bias gradient or None) for gz = (grad_y @ w2) * saved, W = saved's width."""
+    gated = kernel_activations(activation)[2]
+    M, K = grad_y.shape
+    N, width = w2.shape[1], saved.shape[1]
+    Mp = _padded(M)
+    gz8 = torch.empty((M, width), device=saved.device, dtype=E5M2)
+    gzt8 = torch.empty((width, Mp), device=saved.device, dtype=E5M2)
+    descriptors, b_kmajor = tma_operands(grad_y, w2)
+    consts = dict(GATED=gated, BIAS_GRAD=bias_grad, ACC_DTYPE=tl.float32, PRECISION="ieee",
+                  INT64=needs_int64(grad_y, w2, saved, gzt8), TMA=bool(descriptors), B_KMAJOR=b_kmajor,
+                  EMULATE=INTERPRET)
+    key = ("fp8_dgrad", N, K, grad_y.dtype, w2.stride(), grad_y.device, *consts.values())
+    cfg = tuned_config(key)  # one row of column sums per row-tile (before tuning: of the smallest BLOCK_M)
+    block_m = cfg.kwargs["BLOCK_M"] if cfg else min(c.kwargs["BLOCK_M"] for c in matmul_configs(False, grad_y.dtype))
+    partial = torch.empty((cdiv(M, block_m), width), device=saved.device, dtype=torch.float32) if bias_grad else gz8
+    args = (grad_y, w2, saved, gz8, gzt8, partial, state.scale[GRAD_Z:], state.amax[GRAD_Z:], M, Mp, N, K,
+            grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1), saved.stride(0), partial.stride(0))
+    cfg = launch_matmul(fp8_dgrad_kernel, M, N, K, args, consts, False, grad_y.dtype, key, descriptors=descriptors)
+    return gz8, gzt8, (partial[: cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0) if bias_grad else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# autograd
+
+class FP8MLPFunction(torch.autograd.Function):
+    """y = act(x @ W1ᵀ + b1) @ W2ᵀ + b2 with the FP8 GEMMs of the module docstring. x and the weights come in 16
+    bits (autocast's copies); the weights' FP8 copies (FP8State.weights) come beside them, not differentiated."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv):
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        calibrate = not state.calibrated
+        if calibrate:
+            _set_current_scale(state, X, x2)
+        _, xt8 = cast_transpose(x2, state, X)
+        if calibrate:  # current scaling through separate passes, once
+            h, saved = linear_act_forward(x2, w_fc, b_fc, activation, save=True)
+            _set_current_scale(state, H, h)
+            h8, ht8 = cast_transpose(h, state, H, row_major=True)
+        else:
+            h8, ht8, saved = fp8_linear_act(x2, w_fc, b_fc, activation, state)
+        inv = state.inv_scale.clone()  # the scales x and h were quantized with, whatever updates come before backward
+        y = torch._scaled_mm(h8, w_proj8.t(), scale_a=inv[H:H + 1], scale_b=w_proj_inv, bias=b_proj,
+                             out_dtype=x.dtype, use_fast_accum=True)
+        ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv)
+        ctx.activation, ctx.state, ctx.x_shape = activation, state, x.shape
+        ctx.has_bias = (b_fc is not None, b_proj is not None)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv = ctx.saved_tensors
+        state = ctx.state
+        gy = grad_y.reshape(-1, grad_y.shape[-1])
+        if gy.stride(1) != 1:
+            gy = gy.contiguous()
+        calibrate = not state.calibrated
+        if calibrate:
+            _set_current_scale(state, GRAD_Y, gy)
+        _, gyt8 = cast_transpose(gy, state, GRAD_Y)
+        bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2]
+        if calibrate:
+            gz, grad_b_fc = linear_act_dgrad(gy, w_proj, saved, ctx.activation, bias_grad=bias_grad)
+            _set_current_scale(state, GRAD_Z, gz)
+            gz8, gzt8 = cast_transpose(gz, state, GRAD_Z, row_major=True)
+        else:
+            gz8, gzt8, grad_b_fc = fp8_dgrad(gy, w_proj, saved, ctx.activation, state, bias_grad)
+        del saved
+        inv_gy, inv_gz = state.inv_scale[GRAD_Y:GRAD_Y + 1], state.inv_scale[GRAD_Z:GRAD_Z + 1]
+        grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H:H + 1], out_dtype=w_proj.dtype)
+        grad_b_proj = gy.sum(0) if ctx.has_bias[1] and ctx.needs_input_grad[4] else None
+        grad_x = torch._scaled_mm(gz8, w_fc_t8.t(), scale_a=inv_gz, scale_b=w_fc_inv, out_dtype=gy.dtype)
+        grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X:X + 1], out_dtype=w_proj.dtype)
+        update_scales(state)
+        state.calibrated = True
+        grad_b_fc = grad_b_fc.to(gy.dtype) if bias_grad else None
+        return (grad_x.view(ctx.x_shape), grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj) + (None,) * 6
+
+
+def fp8_mlp(x, c_fc, c_proj, activation, state):
+    """model.MLP's FP8 path: c_proj(act(c_fc(x))) with FP8 GEMMs while training (grad enabled); under no_grad
+    (evaluation, sampling) the bf16 fused path. x: (..., C), 16-bit or under autocast."""
+    from .mlp import _autocast, check_mlp_args, fused_mlp  # (mlp.py does not import this module)
+    w_fc, b_fc, w_proj, b_proj = c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias
+    if not torch.is_grad_enabled() or x.numel() == 0:
+        return fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation)
+    check_fp8_device(x.device)
+    if torch.compiler.is_compiling():
+        raise RuntimeError("fp8=True runs without torch.compile in this first stage: set compile=False")
+    weights = state.weights(w_fc, w_proj)  # from the parameters themselves (fp32 masters under autocast)
+    x, w_fc, b_fc, w_proj, b_proj = _autocast(x, w_fc, b_fc, w_proj, b_proj)
+    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation)
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"fp8=True needs 16-bit activations (train under autocast, dtype bfloat16 or float16, or "
+                        f"with a 16-bit model); x is {x.dtype}")
+    C, hidden = w_proj.shape
+    if C % 16 or hidden % 16:
+        raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({hidden}) to be multiples "
+                         "of 16 (FP8 GEMMs take K and N in multiples of 16)")
+    return FP8MLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, state, *weights)

@@ -1,0 +1,261 @@
+"""The FP8 fused MLP (fused_ops/fp8.py): the recipe, the kernels and the model switch.
+
+The yardstick is the recipe itself, not bf16: the same per-tensor scales applied by PyTorch (torch's
+round-to-nearest-even cast) on the same values, multiplied by torch._scaled_mm. Against a float64 MLP, the
+kernels' error must be no worse than twice that reference's, plus a small epsilon. On CPU the kernels run
+under Triton's interpreter in fp16 (its bf16 dot is wrong); on a GPU (-m gpu) in bf16, large and odd shapes.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model
+import runtime
+import settings
+from fused_ops import fp8
+from fused_ops.fp8 import E4M3, E5M2, FP8_MAX, FP8State, fp8_mlp
+
+CUDA = torch.cuda.is_available()
+needs_fp8_gpu = pytest.mark.skipif(not CUDA or not fp8.fp8_supported(torch.device("cuda")),
+                                   reason="needs a GPU with FP8 tensor cores (sm_89+)")
+
+
+def quantize(t, scale, dtype):
+    """torch's own quantization of the recipe: fp8(t · scale), saturating."""
+    return (t.float() * scale).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
+
+
+def pad_rows(t, multiple=16):
+    return F.pad(t, (0, 0, 0, -t.shape[0] % multiple))
+
+
+def col_major(t):
+    return t.t().contiguous().t()
+
+
+def exact_mlp(x, w1, b1, w2, b2, activation, gy):
+    """The float64 MLP: (y, dx, dW1, db1, dW2, db2, z's gradient, h)."""
+    x, w1, w2 = (t.detach().double().requires_grad_() for t in (x, w1, w2))
+    b1, b2 = (None if b is None else b.detach().double().requires_grad_() for b in (b1, b2))
+    z = F.linear(x, w1, b1)
+    z.retain_grad()
+    if activation == "swiglu":
+        gate, up = z.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    else:
+        h = F.gelu(z)
+    y = F.linear(h, w2, b2)
+    y.backward(gy.double())
+    return y, x.grad, w1.grad, None if b1 is None else b1.grad, w2.grad, None if b2 is None else b2.grad, z.grad, h
+
+
+def recipe_reference(x, w1, b1, w2, b2, activation, gy, scales):
+    """The recipe through PyTorch: x, h, grad_y, grad_z quantized with `scales` (X, H, GRAD_Y, GRAD_Z: the ones
+    the kernels used), the weights with their own current scales, each FP8 GEMM by torch._scaled_mm."""
+    s_x, s_h, s_gy, s_gz = scales
+    y64, _, _, _, _, _, gz64, h64 = exact_mlp(x, w1, b1, w2, b2, activation, gy)
+    one = lambda s: torch.tensor([1.0 / s], device=x.device)
+    w_scale = lambda w: FP8_MAX[E4M3] / w.float().abs().amax().item()
+    s_w1, s_w2 = w_scale(w1), w_scale(w2)
+    h8, x8 = quantize(h64, s_h, E4M3), quantize(x, s_x, E4M3)
+    gy8, gz8 = quantize(gy, s_gy, E5M2), quantize(gz64, s_gz, E5M2)
+    w18, w28 = quantize(w1, s_w1, E4M3), quantize(w2, s_w2, E4M3)
+    y = torch._scaled_mm(h8, col_major(w28.t()), scale_a=one(s_h), scale_b=one(s_w2), bias=b2, out_dtype=x.dtype,
+                         use_fast_accum=True)
+    dw2 = torch._scaled_mm(pad_rows(gy8.float()).to(E5M2).t().contiguous(), col_major(pad_rows(h8.float()).to(E4M3)),
+                           scale_a=one(s_gy), scale_b=one(s_h), out_dtype=x.dtype)
+    dx = torch._scaled_mm(gz8, col_major(w18), scale_a=one(s_gz), scale_b=one(s_w1), out_dtype=x.dtype)
+    dw1 = torch._scaled_mm(pad_rows(gz8.float()).to(E5M2).t().contiguous(), col_major(pad_rows(x8.float()).to(E4M3)),
+                           scale_a=one(s_gz), scale_b=one(s_x), out_dtype=x.dtype)
+    return y, dx, dw1, dw2
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def make_mlp(C, hidden, activation, dtype, device, bias=True, seed=0):
+    torch.manual_seed(seed)
+    fc = torch.nn.Linear(C, 2 * hidden if activation == "swiglu" else hidden, bias=bias, device=device, dtype=dtype)
+    proj = torch.nn.Linear(hidden, C, bias=bias, device=device, dtype=dtype)
+    return fc, proj
+
+
+def check_against_recipe(M, C, hidden, activation, dtype, device, calls=3, bias=True, eps=1e-3, gy_scale=1e-3):
+    """Several calls (the first calibrates, the rest use delayed scales): each against recipe_reference."""
+    fc, proj = make_mlp(C, hidden, activation, dtype, device, bias)
+    state = FP8State().to(device)
+    for call in range(calls):
+        x = torch.randn(M, C, device=device, dtype=dtype, requires_grad=True)
+        gy = torch.randn(M, C, device=device, dtype=dtype) * gy_scale
+        before = state.scale.tolist()
+        y = fp8_mlp(x, fc, proj, activation, state)
+        y.backward(gy)
+        if call == 0:  # calibration: current scales, measured on the tensors themselves (read back from the history)
+            amax = state.history[:, 0].tolist()
+            scales = [FP8_MAX[d] / a for d, a in zip(fp8.SLOT_DTYPES, amax)]
+        else:
+            scales = before
+        exact = exact_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, activation, gy)
+        ref = recipe_reference(x.detach(), fc.weight.detach(), None if fc.bias is None else fc.bias.detach(),
+                               proj.weight.detach(), None if proj.bias is None else proj.bias.detach(), activation, gy,
+                               scales)
+        ours = (y, x.grad, fc.weight.grad, proj.weight.grad)
+        exacts = (exact[0], exact[1], exact[2], exact[4])
+        for name, o, r, e in zip(("y", "dx", "dW1", "dW2"), ours, ref, exacts):
+            assert torch.isfinite(o).all(), (call, name)
+            err, ref_err = rel(o, e), rel(r, e)
+            assert err <= 2 * ref_err + eps, f"call {call} {name}: FP8 kernels {err:.4g} against the recipe's {ref_err:.4g}"
+        if bias:  # the bias gradients come unquantized (column sums in fp32), as in bf16
+            assert rel(fc.bias.grad, exact[3]) < 0.05 and rel(proj.bias.grad, exact[5]) < 1e-2
+        fc.zero_grad(set_to_none=True)
+        proj.zero_grad(set_to_none=True)
+    assert state.calibrated
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------------- CPU
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("M", [64, 45])  # 45: rows padded to 48 in the transposed copies
+def test_fp8_mlp_matches_the_recipe_on_cpu(activation, M):
+    check_against_recipe(M, 32, 64, activation, torch.float16, "cpu")
+
+
+def test_fp8_mlp_under_autocast_on_cpu():
+    """Training runs under autocast: fp32 masters, fp16 copies; the weights' FP8 copies come from the masters."""
+    fc, proj = make_mlp(32, 64, "gelu", torch.float32, "cpu")
+    state = FP8State()
+    for _ in range(2):
+        x = torch.randn(40, 32, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = fp8_mlp(x, fc, proj, "gelu", state)
+        assert y.dtype == torch.float16
+        y.float().square().mean().backward()
+        assert fc.weight.grad.dtype == torch.float32 and torch.isfinite(fc.weight.grad).all()
+        exact = exact_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, "gelu", torch.zeros(40, 32))[0]
+        assert rel(y, exact) < 0.05
+        fc.zero_grad()
+        proj.zero_grad()
+
+
+def test_cast_transpose_is_torchs_quantization_padded_with_zeros():
+    state = FP8State()
+    x = torch.randn(37, 48, dtype=torch.float16) * 30
+    x[3, 5], x[4, 6], x[5, 7], x[6, 8] = float("nan"), float("inf"), -float("inf"), 6e4
+    state.scale[fp8.X] = 0.5
+    q, qt = fp8.cast_transpose(x, state, fp8.X, row_major=True)
+    expected = quantize(x, 0.5, E4M3)
+    expected[4, 6] = expected[5, 7] = float("nan")  # ±inf: NaN (e4m3 has no inf), not a saturated ±448
+    assert qt.shape == (48, 48) and (qt[:, 37:].float() == 0).all()
+    assert torch.equal(q.float().nan_to_num(7.0), expected.float().nan_to_num(7.0))
+    assert torch.equal(qt[:, :37].t().float().nan_to_num(7.0), expected.float().nan_to_num(7.0))
+    assert q[6, 8].float() == 448.0  # finite values past the range saturate
+    assert math.isnan(state.amax[fp8.X].item()) or state.amax[fp8.X].item() == float("inf")
+    # e5m2 (gradients): a wider range, a coarser grid
+    state.amax.zero_()
+    g = torch.randn(20, 32, dtype=torch.float16) * 1e-4
+    _, gt = fp8.cast_transpose(g, state, fp8.GRAD_Y)
+    state.scale[fp8.GRAD_Y] = 1.0
+    assert torch.equal(gt[:, :20].t().float(), quantize(g, 1.0, E5M2).float())
+    assert state.amax[fp8.GRAD_Y].item() == g.float().abs().max().item()
+
+
+def test_update_scales_keeps_a_history_and_ignores_empty_amaxes():
+    state = FP8State(history=4)
+    state.amax.zero_()
+    fp8.update_scales(state)
+    assert state.scale.eq(1).all()  # nothing measured yet: the scale stays as it was
+    scales = []
+    for a in [2.0, 8.0, 1.0, 0.5, 0.25, 0.0, 0.0, 0.0, 0.0]:
+        state.amax.fill_(a)
+        fp8.update_scales(state)
+        scales.append(state.scale[0].item())
+        assert state.amax.eq(0).all()  # reset for the next micro-step
+    # the max over the last 4 micro-steps; a history of zeros leaves the scale as it was
+    assert scales == [448 / 2, 448 / 8, 448 / 8, 448 / 8, 448 / 8, 448 / 1, 448 / 0.5, 448 / 0.25, 448 / 0.25]
+    assert state.scale[2].item() == 57344 / 0.25  # e5m2 slots: their own maximum
+    assert torch.allclose(state.inv_scale * state.scale, torch.ones(4))
+    state.amax.fill_(float("nan"))  # a NaN run: the scale stays finite (train.py stops at the NaN loss)
+    fp8.update_scales(state)
+    assert state.scale.isfinite().all() and (state.scale > 0).all()
+
+
+def test_weight_copies_are_made_once_per_optimizer_step():
+    fc, proj = make_mlp(32, 64, "gelu", torch.float32, "cpu")
+    state = FP8State()
+    first = state.weights(fc.weight, proj.weight)
+    assert state.weights(fc.weight, proj.weight) is first  # micro-steps reuse them
+    assert first[2].shape == (32, 64) and first[2].is_contiguous()  # W1ᵀ, for grad_z @ W1
+    fc.weight.grad = torch.randn_like(fc.weight)
+    torch.optim.AdamW(fc.parameters(), lr=0.1).step()  # in place: the parameter's version moves
+    second = state.weights(fc.weight, proj.weight)
+    assert second is not first
+    assert torch.equal(second[2].float(), quantize(fc.weight.detach().t(), 1 / second[3].item(), E4M3).float())
+
+
+def test_no_grad_runs_the_bf16_fused_path():
+    from fused_ops import fused_mlp
+    fc, proj = make_mlp(32, 64, "gelu", torch.float16, "cpu")
+    x = torch.randn(10, 32, dtype=torch.float16)
+    state = FP8State()
+    with torch.no_grad():
+        y = fp8_mlp(x, fc, proj, "gelu", state)
+        assert torch.equal(y, fused_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, "gelu"))
+    assert not state.calibrated  # evaluation does not move the scales
+
+
+def test_fp8_needs_16_bit_activations_and_fp8_tensor_cores(monkeypatch):
+    fc, proj = make_mlp(32, 64, "gelu", torch.float32, "cpu")
+    with pytest.raises(TypeError, match="16-bit activations"):
+        fp8_mlp(torch.randn(4, 32, requires_grad=True), fc, proj, "gelu", FP8State())
+    monkeypatch.setattr(fp8, "INTERPRET", False)  # a CPU without the interpreter: no FP8 tensor cores
+    with pytest.raises(RuntimeError, match="FP8 tensor cores .*compute capability 8.9"):
+        fp8_mlp(torch.randn(4, 32, dtype=torch.float16, requires_grad=True), fc.half(), proj.half(), "gelu", FP8State())
+    with pytest.raises(Exception, match="--fp8=True needs FP8 tensor cores"):
+        runtime.check_fp8(True, "cpu")
+    runtime.check_fp8(False, "cpu")  # off: nothing asked
+
+
+def test_config_fp8_is_opt_in_and_checked():
+    assert model.GPTConfig().fp8 is False
+    for bad in (dict(mlp="auto"), dict(mlp="eager"), dict(mlp="fused", fuse_ln=True), dict(mlp="fused", n_embd=40, n_head=4)):
+        with pytest.raises(ValueError, match="'fp8'"):
+            model.GPTConfig(fp8=True, **bad)
+    import train
+    with pytest.raises(settings.ConfigError, match="'fp8' runs without torch.compile"):
+        settings.check({**train.DEFAULTS, "fp8": True, "mlp": "fused", "compile": True})
+
+
+def test_gpt_trains_with_fp8_and_its_checkpoint_samples_in_16_bits():
+    torch.manual_seed(0)
+    config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True)
+    gpt = model.GPT(config)
+    assert all(not k.startswith("fp8") and ".fp8." not in k for k in gpt.state_dict())  # scales are not weights
+    opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
+    idx = torch.randint(0, 64, (4, 16))
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = gpt(idx, idx)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+    assert all(block.mlp.fp8.calibrated for block in gpt.transformer.h)
+    plain = model.GPT(model.GPTConfig(**{**config.__dict__, "fp8": False}))
+    plain.load_state_dict(gpt.state_dict())  # the same weights, loadable without FP8
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("M,C,hidden", [(4096, 768, 3072), (1000 + 7, 256, 1024), (33, 64, 128)])
+def test_fp8_mlp_matches_the_recipe_on_the_gpu(activation, M, C, hidden):
+    check_against_recipe(M, C, hidden, activation, torch.bfloat16, "cuda")
