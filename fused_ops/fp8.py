@@ -121,17 +121,25 @@ def quantize(v, scale, OUT: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _store_quantized(v, rows, cols, row_ok, col_ok, M, q_ptr, stride_q, qt_ptr, stride_qt, scale, amax_ptr,
-                     ROW_MAJOR: tl.constexpr, EMULATE: tl.constexpr):
-    """Quantize a tile, fold its amax into amax_ptr, store it row-major (if ROW_MAJOR) and transposed.
+def _store_quantized(v, offs_m, offs_n, n_ok, M, Mp, q_ptr, stride_q, qt_ptr, stride_qt, scale, amax_ptr,
+                     ROW_MAJOR: tl.constexpr, EMULATE: tl.constexpr, INT64: tl.constexpr):
+    """Quantize the tile v (rows offs_m, columns offs_n), fold its amax into amax_ptr, store it row-major (if
+    ROW_MAJOR) and transposed. Rows from M up to the transposed copy's padding Mp are written there as zeros.
 
-    Rows from M up to the transposed copy's padding (row_ok) are written as zeros there."""
-    v = tl.where(rows < M, v, 0.0)
+    The transposed copy is stored from tl.trans(v), so that its contiguous dimension is the tile's last one:
+    Triton moves the tile through shared memory and the stores stay coalesced. (Storing v through transposed
+    pointers instead wrote wrong values on an H100 with Triton 3.6, where FP8 pairs were packed along the
+    other dimension, besides being slow.)"""
+    rows = offs_m.to(tl.int64) if INT64 else offs_m
+    cols = offs_n.to(tl.int64) if INT64 else offs_n
+    v = tl.where((offs_m < M)[:, None], v, 0.0)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
-    q = quantize(v, scale, qt_ptr.dtype.element_ty, EMULATE)
+    out = qt_ptr.dtype.element_ty
     if ROW_MAJOR:
-        tl.store(q_ptr + rows * stride_q + cols, q, mask=(rows < M) & col_ok)
-    tl.store(qt_ptr + cols * stride_qt + rows, q, mask=row_ok & col_ok)
+        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], quantize(v, scale, out, EMULATE),
+                 mask=(offs_m < M)[:, None] & n_ok[None, :])
+    tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], quantize(tl.trans(v), scale, out, EMULATE),
+             mask=n_ok[:, None] & (offs_m < Mp)[None, :])
 
 
 @triton.jit
@@ -143,10 +151,9 @@ def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, s
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
     cols = (offs_c.to(tl.int64) if INT64 else offs_c)[None, :]
-    col_ok = cols < C
-    v = tl.load(x_ptr + rows * stride_xm + cols, mask=(rows < M) & col_ok, other=0.0).to(tl.float32)
-    _store_quantized(v, rows, cols, rows < Mp, col_ok, M, q_ptr, C, qt_ptr, Mp, tl.load(scale_ptr), amax_ptr,
-                     ROW_MAJOR, EMULATE)
+    v = tl.load(x_ptr + rows * stride_xm + cols, mask=(rows < M) & (cols < C), other=0.0).to(tl.float32)
+    _store_quantized(v, offs_m, offs_c, offs_c < C, M, Mp, q_ptr, C, qt_ptr, Mp, tl.load(scale_ptr), amax_ptr,
+                     ROW_MAJOR, EMULATE, INT64)
 
 
 @triton.jit
@@ -167,7 +174,7 @@ def update_scales_kernel(history_ptr, position_ptr, amax_ptr, scale_ptr, inv_sca
     usable = (amax > 0.0) & (amax < float("inf"))
     scale = tl.where(usable, tl.load(fp8_max_ptr + slot) / tl.where(usable, amax, 1.0), tl.load(scale_ptr + slot))
     tl.store(scale_ptr + slot, scale)
-    tl.store(inv_scale_ptr + slot, 1.0 / scale)
+    tl.store(inv_scale_ptr + slot * 4, 1.0 / scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -187,8 +194,8 @@ def fp8_act_epilogue(z, z_up, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, ht8_ptr, 
     cols = (offs_n.to(tl.int64) if INT64 else offs_n)[None, :]
     gate = activation(z, ACTIVATION)
     up = activation(z_up, UP_ACTIVATION) if GATED else gate
-    _store_quantized(gate * up if GATED else gate, rows, cols, rows < Mp, n_mask[None, :], M, h8_ptr, N, ht8_ptr, Mp,
-                     tl.load(scale_ptr), amax_ptr, True, EMULATE)
+    _store_quantized(gate * up if GATED else gate, offs_m, offs_n, n_mask, M, Mp, h8_ptr, N, ht8_ptr, Mp,
+                     tl.load(scale_ptr), amax_ptr, True, EMULATE, INT64)
     mask = (rows < M) & n_mask[None, :]
     saved_ptrs = saved_ptr + rows * stride_sm + cols
     if GATED:
@@ -246,8 +253,8 @@ def fp8_dgrad_epilogue(grad_h, offs_m, offs_n, pid_m, M, Mp, N, saved_ptr, gz8_p
     for half in tl.static_range(2 if GATED else 1):
         saved = tl.load(saved_ptr + rows * stride_sm + cols + half * N, mask=(rows < M) & n_mask[None, :], other=0.0)
         grad = grad_h * saved.to(ACC_DTYPE)
-        _store_quantized(grad, rows, cols + half * N, rows < Mp, n_mask[None, :], M, gz8_ptr, width, gzt8_ptr, Mp,
-                         scale, amax_ptr, True, EMULATE)
+        _store_quantized(grad, offs_m, offs_n + half * N, n_mask, M, Mp, gz8_ptr, width, gzt8_ptr, Mp, scale,
+                         amax_ptr, True, EMULATE, INT64)
         if BIAS_GRAD:
             tl.store(dbias_ptr + pid_m * stride_dbm + half * N + offs_n, tl.sum(grad, axis=0), mask=n_mask)
 
@@ -294,8 +301,10 @@ class FP8State(torch.nn.Module):
         super().__init__()
         if history < 1 or history & (history - 1):
             raise ValueError(f"history must be a power of two (a Triton block), got {history}")
+        # inv_scale: one 16-byte row per slot, its value in column 0: cuBLAS reads a scale only from a 16-byte
+        # aligned address (CUBLAS_STATUS_NOT_SUPPORTED otherwise), and the GEMMs read these.
         buffers = dict(history=torch.zeros(4, history), position=torch.zeros(4, dtype=torch.int32),
-                       amax=torch.zeros(4), scale=torch.ones(4), inv_scale=torch.ones(4),
+                       amax=torch.zeros(4), scale=torch.ones(4), inv_scale=torch.ones(4, 4),
                        fp8_max=torch.tensor([FP8_MAX[d] for d in SLOT_DTYPES]))
         for name, value in buffers.items():
             self.register_buffer(name, value, persistent=False)
@@ -339,7 +348,7 @@ def _set_current_scale(state, slot, t):
     usable = (amax > 0) & amax.isfinite()
     scale = torch.where(usable, state.fp8_max[slot] / torch.where(usable, amax, 1.0), state.scale[slot])
     state.scale[slot] = scale
-    state.inv_scale[slot] = scale.reciprocal()
+    state.inv_scale[slot, 0] = scale.reciprocal()
 
 
 def update_scales(state):
@@ -431,7 +440,7 @@ class FP8MLPFunction(torch.autograd.Function):
         else:
             h8, ht8, saved = fp8_linear_act(x2, w_fc, b_fc, activation, state)
         inv = state.inv_scale.clone()  # the scales x and h were quantized with, whatever updates come before backward
-        y = torch._scaled_mm(h8, w_proj8.t(), scale_a=inv[H:H + 1], scale_b=w_proj_inv, bias=b_proj,
+        y = torch._scaled_mm(h8, w_proj8.t(), scale_a=inv[H, :1], scale_b=w_proj_inv, bias=b_proj,
                              out_dtype=x.dtype, use_fast_accum=True)
         ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv)
         ctx.activation, ctx.state, ctx.x_shape = activation, state, x.shape
@@ -457,11 +466,11 @@ class FP8MLPFunction(torch.autograd.Function):
         else:
             gz8, gzt8, grad_b_fc = fp8_dgrad(gy, w_proj, saved, ctx.activation, state, bias_grad)
         del saved
-        inv_gy, inv_gz = state.inv_scale[GRAD_Y:GRAD_Y + 1], state.inv_scale[GRAD_Z:GRAD_Z + 1]
-        grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H:H + 1], out_dtype=w_proj.dtype)
+        inv_gy, inv_gz = state.inv_scale[GRAD_Y, :1], state.inv_scale[GRAD_Z, :1]
+        grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_proj.dtype)
         grad_b_proj = gy.sum(0) if ctx.has_bias[1] and ctx.needs_input_grad[4] else None
         grad_x = torch._scaled_mm(gz8, w_fc_t8.t(), scale_a=inv_gz, scale_b=w_fc_inv, out_dtype=gy.dtype)
-        grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X:X + 1], out_dtype=w_proj.dtype)
+        grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_proj.dtype)
         update_scales(state)
         state.calibrated = True
         grad_b_fc = grad_b_fc.to(gy.dtype) if bias_grad else None

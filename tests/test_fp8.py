@@ -178,7 +178,7 @@ def test_update_scales_keeps_a_history_and_ignores_empty_amaxes():
     # the max over the last 4 micro-steps; a history of zeros leaves the scale as it was
     assert scales == [448 / 2, 448 / 8, 448 / 8, 448 / 8, 448 / 8, 448 / 1, 448 / 0.5, 448 / 0.25, 448 / 0.25]
     assert state.scale[2].item() == 57344 / 0.25  # e5m2 slots: their own maximum
-    assert torch.allclose(state.inv_scale * state.scale, torch.ones(4))
+    assert torch.allclose(state.inv_scale[:, 0] * state.scale, torch.ones(4))
     state.amax.fill_(float("nan"))  # a NaN run: the scale stays finite (train.py stops at the NaN loss)
     fp8.update_scales(state)
     assert state.scale.isfinite().all() and (state.scale > 0).all()
@@ -259,3 +259,31 @@ def test_gpt_trains_with_fp8_and_its_checkpoint_samples_in_16_bits():
 @pytest.mark.parametrize("M,C,hidden", [(4096, 768, 3072), (1000 + 7, 256, 1024), (33, 64, 128)])
 def test_fp8_mlp_matches_the_recipe_on_the_gpu(activation, M, C, hidden):
     check_against_recipe(M, C, hidden, activation, torch.bfloat16, "cuda")
+
+
+def check_transposed_copies(M, C, hidden, activation, dtype, device):
+    """The epilogues' transposed copies hold exactly the row-major ones' values, zeros in the padding."""
+    fc, proj = make_mlp(C, hidden, activation, dtype, device, bias=False)
+    state = FP8State().to(device)
+    state.scale.copy_(torch.tensor([64.0, 64.0, 1e4, 1e5]))
+    x = torch.randn(M, C, device=device, dtype=dtype)
+    gy = torch.randn(M, C, device=device, dtype=dtype) * 1e-2
+    h8, ht8, saved = fp8.fp8_linear_act(x, fc.weight.detach(), None, activation, state)
+    gz8, gzt8, _ = fp8.fp8_dgrad(gy, proj.weight.detach(), saved, activation, state, False)
+    for name, q, qt in (("h", h8, ht8), ("grad_z", gz8, gzt8)):
+        assert qt.shape == (q.shape[1], M + (-M % 16)), name
+        assert torch.equal(qt[:, :M].t().float(), q.float()), name
+        assert (qt[:, M:].float() == 0).all(), name
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_transposed_copies_equal_the_row_major_ones_on_cpu(activation):
+    check_transposed_copies(45, 32, 64, activation, torch.float16, "cpu")
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("M", [12288, 1000 + 7])
+def test_transposed_copies_equal_the_row_major_ones_on_the_gpu(activation, M):
+    check_transposed_copies(M, 768, 2048 if activation == "swiglu" else 3072, activation, torch.bfloat16, "cuda")
