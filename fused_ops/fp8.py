@@ -50,7 +50,7 @@ from .activations import activation, activation_grad, kernel_activations
 from .dgrad import linear_act_dgrad
 from .linear_act import linear_act_forward
 from .matmul import column_offsets, matmul_loop, needs_int64, split_columns, tile_ids, tma_operands, _capability
-from .tuning import INTERPRET, cdiv, launch_matmul, tuned_config, matmul_configs
+from .tuning import AUTOTUNE, INTERPRET, _config, cdiv, launch_matmul, matmul_configs, tuned_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -122,24 +122,27 @@ def quantize(v, scale, OUT: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def _store_quantized(v, offs_m, offs_n, n_ok, M, Mp, q_ptr, stride_q, qt_ptr, stride_qt, scale, amax_ptr,
-                     ROW_MAJOR: tl.constexpr, EMULATE: tl.constexpr, INT64: tl.constexpr):
+                     ROW_MAJOR: tl.constexpr, EMULATE: tl.constexpr, INT64: tl.constexpr,
+                     TRANSPOSED: tl.constexpr = True):
     """Quantize the tile v (rows offs_m, columns offs_n), fold its amax into amax_ptr, store it row-major (if
-    ROW_MAJOR) and transposed. Rows from M up to the transposed copy's padding Mp are written there as zeros.
+    ROW_MAJOR) and transposed (if TRANSPOSED). Rows from M up to the transposed copy's padding Mp are written
+    there as zeros.
 
     The transposed copy is stored from tl.trans(v), so that its contiguous dimension is the tile's last one:
     Triton moves the tile through shared memory and the stores stay coalesced. (Storing v through transposed
-    pointers instead wrote wrong values on an H100 with Triton 3.6, where FP8 pairs were packed along the
-    other dimension, besides being slow.)"""
+    pointers instead wrote wrong values on an H100 with Triton 3.6, besides being slow; tests/test_fp8.py
+    compares every transposed copy with its row-major one on the GPU.)"""
     rows = offs_m.to(tl.int64) if INT64 else offs_m
     cols = offs_n.to(tl.int64) if INT64 else offs_n
     v = tl.where((offs_m < M)[:, None], v, 0.0)
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
-    out = qt_ptr.dtype.element_ty
+    out = q_ptr.dtype.element_ty
     if ROW_MAJOR:
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], quantize(v, scale, out, EMULATE),
                  mask=(offs_m < M)[:, None] & n_ok[None, :])
-    tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], quantize(tl.trans(v), scale, out, EMULATE),
-             mask=n_ok[:, None] & (offs_m < Mp)[None, :])
+    if TRANSPOSED:
+        tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], quantize(tl.trans(v), scale, out, EMULATE),
+                 mask=n_ok[:, None] & (offs_m < Mp)[None, :])
 
 
 @triton.jit
@@ -194,8 +197,10 @@ def fp8_act_epilogue(z, z_up, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, ht8_ptr, 
     cols = (offs_n.to(tl.int64) if INT64 else offs_n)[None, :]
     gate = activation(z, ACTIVATION)
     up = activation(z_up, UP_ACTIVATION) if GATED else gate
+    # hᵀ is written by a second pass (transpose_fp8): stored from this epilogue it came out wrong on an H100
+    # with Triton 3.6 (tl.trans of the accumulator's tile), where the dgrad epilogue's is right.
     _store_quantized(gate * up if GATED else gate, offs_m, offs_n, n_mask, M, Mp, h8_ptr, N, ht8_ptr, Mp,
-                     tl.load(scale_ptr), amax_ptr, True, EMULATE, INT64)
+                     tl.load(scale_ptr), amax_ptr, True, EMULATE, INT64, TRANSPOSED=False)
     mask = (rows < M) & n_mask[None, :]
     saved_ptrs = saved_ptr + rows * stride_sm + cols
     if GATED:
@@ -222,21 +227,11 @@ def fp8_linear_act_kernel(
         x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
         N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
         TMA=TMA, B_KMAJOR=B_KMAJOR)
-    if SPLIT_EPILOGUE:
-        z_left, z_right = split_columns(z, BLOCK_M, BLOCK_N)
-        up_left, up_right = z_left, z_right
-        if GATED:
-            up_left, up_right = split_columns(z_up, BLOCK_M, BLOCK_N)
-        fp8_act_epilogue(z_left, up_left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), M, Mp, N, b_ptr, h8_ptr,
-                         ht8_ptr, saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
-                         HAS_BIAS, ACC_DTYPE, INT64, EMULATE)
-        fp8_act_epilogue(z_right, up_right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), M, Mp, N, b_ptr, h8_ptr,
-                         ht8_ptr, saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
-                         HAS_BIAS, ACC_DTYPE, INT64, EMULATE)
-    else:
-        fp8_act_epilogue(z, z_up, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), M, Mp, N, b_ptr, h8_ptr, ht8_ptr,
-                         saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS,
-                         ACC_DTYPE, INT64, EMULATE)
+    tl.static_assert(not SPLIT_EPILOGUE, "fp8_configs: whole-tile epilogues")
+    fp8_act_epilogue(z, z_up, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), M, Mp, N, b_ptr, h8_ptr, ht8_ptr,
+                     saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS,
+                     ACC_DTYPE, INT64, EMULATE)
+
 
 
 @triton.jit
@@ -274,18 +269,10 @@ def fp8_dgrad_kernel(
     grad_h = matmul_loop(g_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_gm, stride_gk,
                          stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64,
                          BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR)[0]
-    if SPLIT_EPILOGUE:
-        left, right = split_columns(grad_h, BLOCK_M, BLOCK_N)
-        fp8_dgrad_epilogue(left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), pid_m, M, Mp, N, saved_ptr, gz8_ptr,
-                           gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED, BIAS_GRAD,
-                           ACC_DTYPE, INT64, EMULATE)
-        fp8_dgrad_epilogue(right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), pid_m, M, Mp, N, saved_ptr, gz8_ptr,
-                           gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED, BIAS_GRAD,
-                           ACC_DTYPE, INT64, EMULATE)
-    else:
-        fp8_dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, Mp, N, saved_ptr, gz8_ptr,
-                           gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED, BIAS_GRAD,
-                           ACC_DTYPE, INT64, EMULATE)
+    tl.static_assert(not SPLIT_EPILOGUE, "fp8_configs: whole-tile epilogues")
+    fp8_dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, Mp, N, saved_ptr, gz8_ptr,
+                       gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED, BIAS_GRAD,
+                       ACC_DTYPE, INT64, EMULATE)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -305,7 +292,8 @@ class FP8State(torch.nn.Module):
         # aligned address (CUBLAS_STATUS_NOT_SUPPORTED otherwise), and the GEMMs read these.
         buffers = dict(history=torch.zeros(4, history), position=torch.zeros(4, dtype=torch.int32),
                        amax=torch.zeros(4), scale=torch.ones(4), inv_scale=torch.ones(4, 4),
-                       fp8_max=torch.tensor([FP8_MAX[d] for d in SLOT_DTYPES]))
+                       fp8_max=torch.tensor([FP8_MAX[d] for d in SLOT_DTYPES]),
+                       unit=torch.tensor([1.0, 0.0]))  # scale 1 and a scratch amax, for transpose_fp8
         for name, value in buffers.items():
             self.register_buffer(name, value, persistent=False)
         self.calibrated = False
@@ -374,6 +362,29 @@ def cast_transpose(x2, state, slot, row_major=False):
     return (q if row_major else None), qt
 
 
+def transpose_fp8(q, Mp, state):
+    """qᵀ (N, Mp) of an FP8 q (M, N), zero columns past M: cast_transpose_kernel at scale 1 (exact), its amax
+    folded into a scratch slot (q's own amax was taken when q was made)."""
+    M, N = q.shape
+    qt = torch.empty((N, Mp), device=q.device, dtype=q.dtype)
+    block = 32 if INTERPRET else 64
+    cast_transpose_kernel[(cdiv(Mp, block), cdiv(N, block))](
+        q, qt, qt, state.unit, state.unit[1:], M, N, Mp, q.stride(0), ROW_MAJOR=False, EMULATE=INTERPRET,
+        INT64=needs_int64(q, qt), BLOCK_M=block, BLOCK_C=block)
+    return qt
+
+
+def fp8_configs(gated, dtype):
+    """The candidate tiles of matmul_configs whose epilogue takes the whole tile, at most 128x128: the transposed
+    copy goes through shared memory (tl.trans), and on an H100 with Triton 3.6 tl.trans of a half tile from
+    split_columns stored wrong values."""
+    if INTERPRET:
+        return [_config(32, 32, 32, 4, 1, group_m=2, split=False)]
+    configs = [c for c in matmul_configs(gated, dtype, all_configs=True)
+               if not c.kwargs["SPLIT_EPILOGUE"] and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+    return configs if AUTOTUNE else configs[:1]
+
+
 def fp8_linear_act(x2, weight, bias, activation, state):
     """(h8 (M, N), h8ᵀ (N, Mp), dh/dz (M, weight rows)) for act(x2 @ weight.T + bias): see fp8_act_epilogue."""
     act, up_act, gated = kernel_activations(activation)
@@ -381,18 +392,18 @@ def fp8_linear_act(x2, weight, bias, activation, state):
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     Mp = _padded(M)
     h8 = torch.empty((M, N), device=x2.device, dtype=E4M3)
-    ht8 = torch.empty((N, Mp), device=x2.device, dtype=E4M3)
     saved = torch.empty((M, weight.shape[0]), device=x2.device, dtype=weight.dtype)
     descriptors, b_kmajor = tma_operands(x2, weight.t())
     acc_dtype, precision = tl.float32, "ieee"
-    args = (x2, weight, bias if bias is not None else weight, h8, ht8, saved, state.scale[H:], state.amax[H:],
+    args = (x2, weight, bias if bias is not None else weight, h8, h8, saved, state.scale[H:], state.amax[H:],
             M, Mp, N, K, x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), saved.stride(0))
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype,
-                  PRECISION=precision, INT64=needs_int64(x2, weight, saved, ht8), TMA=bool(descriptors),
+                  PRECISION=precision, INT64=needs_int64(x2, weight, saved, h8), TMA=bool(descriptors),
                   B_KMAJOR=b_kmajor, EMULATE=INTERPRET)
     key = ("fp8_linear_act", N, K, x2.dtype, weight.stride(), x2.device, *consts.values())
-    launch_matmul(fp8_linear_act_kernel, M, N, K, args, consts, gated, weight.dtype, key, descriptors=descriptors)
-    return h8, ht8, saved
+    launch_matmul(fp8_linear_act_kernel, M, N, K, args, consts, gated, weight.dtype, key, descriptors=descriptors,
+                  configs=fp8_configs(gated, weight.dtype))
+    return h8, transpose_fp8(h8, Mp, state), saved
 
 
 def fp8_dgrad(grad_y, w2, saved, activation, state, bias_grad):
@@ -409,11 +420,13 @@ def fp8_dgrad(grad_y, w2, saved, activation, state, bias_grad):
                   EMULATE=INTERPRET)
     key = ("fp8_dgrad", N, K, grad_y.dtype, w2.stride(), grad_y.device, *consts.values())
     cfg = tuned_config(key)  # one row of column sums per row-tile (before tuning: of the smallest BLOCK_M)
-    block_m = cfg.kwargs["BLOCK_M"] if cfg else min(c.kwargs["BLOCK_M"] for c in matmul_configs(False, grad_y.dtype))
+    configs = fp8_configs(False, grad_y.dtype)
+    block_m = cfg.kwargs["BLOCK_M"] if cfg else min(c.kwargs["BLOCK_M"] for c in configs)
     partial = torch.empty((cdiv(M, block_m), width), device=saved.device, dtype=torch.float32) if bias_grad else gz8
     args = (grad_y, w2, saved, gz8, gzt8, partial, state.scale[GRAD_Z:], state.amax[GRAD_Z:], M, Mp, N, K,
             grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1), saved.stride(0), partial.stride(0))
-    cfg = launch_matmul(fp8_dgrad_kernel, M, N, K, args, consts, False, grad_y.dtype, key, descriptors=descriptors)
+    cfg = launch_matmul(fp8_dgrad_kernel, M, N, K, args, consts, False, grad_y.dtype, key, descriptors=descriptors,
+                        configs=configs)
     return gz8, gzt8, (partial[: cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0) if bias_grad else None)
 
 

@@ -59,13 +59,14 @@ def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None, s
 
 
 @functools.lru_cache(maxsize=None)  # called on launch paths: the Config objects are built once
-def matmul_configs(gated=False, dtype=None):
+def matmul_configs(gated=False, dtype=None, all_configs=False):
     """Candidate tiles for the fused matmul kernels. Gated kernels hold two accumulators, so their tiles are smaller.
 
     What decides is whether the epilogue spills and whether two programs fit on an SM, so that one
     program's epilogue can run while the other's MMAs do: hence the 4-warp, 3-stage 128x128 tile and the
     8-warp one capped at 128 registers a thread beside the larger tiles. Which wins depends on the GPU and
-    the shape, so all are timed (docs/performance.md has what was measured)."""
+    the shape, so all are timed (docs/performance.md has what was measured). all_configs: every candidate even
+    when FUSED_OPS_AUTOTUNE=0 (which keeps the first)."""
     if INTERPRET:
         return [_config(32, 32, 32, 4, 1, group_m=2)]
     if gated:
@@ -96,7 +97,7 @@ def matmul_configs(gated=False, dtype=None):
         # (more than an H100 has, for a 128x256 tile): the whole-tile epilogue there.
         configs = [_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], 32, c.num_warps, c.num_stages,
                            c.kwargs["GROUP_M"], c.maxnreg, split=False) for c in configs]
-    return configs if AUTOTUNE else configs[:1]
+    return configs if AUTOTUNE or all_configs else configs[:1]
 
 
 def cdiv(a, b):
@@ -195,15 +196,15 @@ class LaunchPlan:
             self.compiled[spec] = compiled
 
 
-def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=()):
+def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=(), configs=None):
     """Launch with the tuned config for `key` (tuning on first use: every candidate config timed with
     run_config, unless the disk cache has the choice). Returns the config used (callers that size buffers per
-    row-tile need its BLOCK_M)."""
+    row-tile need its BLOCK_M). configs: the candidates, if not matmul_configs(gated, dtype)."""
     plan = _plans.get(key)
     if plan is not None:
         plan.launch(M, N, args, descriptors)
         return plan.cfg
-    configs = matmul_configs(gated, dtype)
+    configs = configs or matmul_configs(gated, dtype)
     entry = _cache_entry(kernel, key)
     t0 = time.perf_counter()
     cfg = configs[0] if len(configs) == 1 else _cached_choice(entry, configs)

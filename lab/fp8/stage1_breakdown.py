@@ -80,6 +80,19 @@ def main():
     print(f"\nM={a.M} C={a.C} H={H} {a.activation}: GPU time per piece, do_bench median, us")
     for name, fn in rows.items():
         print(f"{name:48s} {bench(fn):8.1f}")
+    # the whole MLP, forward + backward as one CUDA graph (bench_mlp's), bf16 fused against FP8, rounds alternated
+    import dataclasses
+    import bench_mlp
+    from model import MLP, GPTConfig
+    cfg = GPTConfig(n_embd=a.C, n_head=1, activation=a.activation, bias=False, mlp="fused")
+    mlps = {"bf16 fused": MLP(cfg), "FP8 fused": MLP(dataclasses.replace(cfg, fp8=True))}
+    mlps["FP8 fused"].load_state_dict(mlps["bf16 fused"].state_dict())
+    replays = {k: bench_mlp.graphed_fwd_bwd(m.to(dev, dt), x2, gy)[0] for k, m in mlps.items()}
+    times = {k: [] for k in replays}
+    for r in range(4):
+        for k in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
+            times[k].append(bench(replays[k]))
+    print("MLP fwd+bwd as one CUDA graph, us per round: " + "; ".join(f"{k} {[round(t, 1) for t in v]}" for k, v in times.items()))
 
 
 if __name__ == "__main__":
