@@ -45,6 +45,7 @@ in fp32, then the bit fields); on a GPU the hardware conversion (round to neares
 import torch
 import triton
 import triton.language as tl
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .activations import activation, activation_grad, kernel_activations
 from .dgrad import linear_act_dgrad
@@ -278,6 +279,16 @@ def fp8_dgrad_kernel(
 # ----------------------------------------------------------------------------------------------------------
 # the scales' state and the launchers
 
+_optimizer_steps = 0  # optimizer steps taken in this process (torch.optim's global post-step hook counts them)
+
+
+def _count_optimizer_step(optimizer, args, kwargs):
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
 class FP8State(torch.nn.Module):
     """One MLP's delayed scales (slots X, H, GRAD_Y, GRAD_Z) and its weights' FP8 copies.
 
@@ -309,13 +320,18 @@ class FP8State(torch.nn.Module):
 
     def weights(self, w_fc, w_proj):
         """(W2 in e4m3 (C, H), its 1/scale, W1ᵀ in e4m3 (C, H or 2H) contiguous, its 1/scale), made again only
-        when a parameter changed (its version counter moves with every in-place update: optimizer steps,
-        load_state_dict), so once per optimizer step however many micro-steps use them."""
-        key = (w_fc.data_ptr(), w_fc._version, w_proj.data_ptr(), w_proj._version, w_fc.dtype)
+        when the parameters may have changed: after any torch.optim optimizer's step (counted by a global hook:
+        the fused AdamW updates parameters without moving their version counters), or an in-place update that
+        moves them (load_state_dict, a foreach optimizer). So once per optimizer step, however many micro-steps
+        use them. (An update outside both, through .data, is not seen: call state.weights_changed().)"""
+        key = (_optimizer_steps, w_fc.data_ptr(), w_fc._version, w_proj.data_ptr(), w_proj._version, w_fc.dtype)
         if self._weights is None or self._weights[0] != key:
             with torch.no_grad():
                 self._weights = (key, (*quantize_weight(w_proj), *quantize_weight(w_fc, transpose=True)))
         return self._weights[1]
+
+    def weights_changed(self):
+        self._weights = None
 
     def extra_repr(self):
         return f"history={self.history.shape[1]}, calibrated={self.calibrated}"

@@ -6,6 +6,7 @@ kernels' error must be no worse than twice that reference's, plus a small epsilo
 under Triton's interpreter in fp16 (its bf16 dot is wrong); on a GPU (-m gpu) in bf16, large and odd shapes.
 """
 
+import functools
 import math
 
 import pytest
@@ -190,11 +191,19 @@ def test_weight_copies_are_made_once_per_optimizer_step():
     first = state.weights(fc.weight, proj.weight)
     assert state.weights(fc.weight, proj.weight) is first  # micro-steps reuse them
     assert first[2].shape == (32, 64) and first[2].is_contiguous()  # W1ᵀ, for grad_z @ W1
-    fc.weight.grad = torch.randn_like(fc.weight)
-    torch.optim.AdamW(fc.parameters(), lr=0.1).step()  # in place: the parameter's version moves
-    second = state.weights(fc.weight, proj.weight)
-    assert second is not first
-    assert torch.equal(second[2].float(), quantize(fc.weight.detach().t(), 1 / second[3].item(), E4M3).float())
+    latest = first
+    # fused AdamW (train.py's on CUDA) updates in place without moving the parameters' version counters
+    for optimizer in (torch.optim.AdamW, functools.partial(torch.optim.AdamW, fused=True)):
+        fc.weight.grad = torch.randn_like(fc.weight)
+        optimizer(fc.parameters(), lr=0.1).step()
+        new = state.weights(fc.weight, proj.weight)
+        assert new is not latest
+        assert torch.equal(new[2].float(), quantize(fc.weight.detach().t(), 1 / new[3].item(), E4M3).float())
+        latest = new
+    with torch.no_grad():
+        fc.weight.data.mul_(2)  # outside any optimizer, not through the parameter: the caller says so
+    state.weights_changed()
+    assert torch.equal(state.weights(fc.weight, proj.weight)[3], 2 * latest[3])
 
 
 def test_no_grad_runs_the_bf16_fused_path():

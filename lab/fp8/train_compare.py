@@ -24,14 +24,15 @@ def read(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(out, max_iters, extra):
+def run(out, max_iters, extra, runs=tuple(RUNS)):
     os.makedirs(out, exist_ok=True)
     common = ["configs/gpt2_124m.py", "--dataset=shakespeare", "--mlp=fused", "--compile=False",
               "--gradient_accumulation_steps=1", "--batch_size=8", f"--max_iters={max_iters}",
               f"--lr_decay_iters={max_iters}", "--warmup_iters=100", "--eval_interval=200", "--eval_iters=20",
               "--dropout=0.1", "--learning_rate=3e-4", "--min_lr=3e-5", "--log_interval=10", "--progress=False",
               "--plot=False", "--sample_after=False", "--always_save_checkpoint=False", *extra]
-    for name, flags in RUNS.items():
+    for name in runs:
+        flags = RUNS[name]
         work = tempfile.mkdtemp(prefix=f"fp8-compare-{name}-")  # checkpoints stay out of `out` (1.5 GB each)
         proc = subprocess.run([sys.executable, "train.py", *common, *flags, f"--out_dir={work}"], cwd=ROOT,
                               capture_output=True, text=True)
@@ -80,8 +81,9 @@ if __name__ == "__main__":
     p.add_argument("--out", help="run both, write the logs here")
     p.add_argument("--plot", help="plot the logs in this folder")
     p.add_argument("--max_iters", type=int, default=2000)
+    p.add_argument("--runs", default="bf16,fp8", help="which of the two to run (a log already in --out is kept)")
     args, rest = p.parse_known_args()
     if args.plot:
         plot(args.plot)
     else:
-        run(args.out, args.max_iters, rest)
+        run(args.out, args.max_iters, rest, args.runs.split(","))
