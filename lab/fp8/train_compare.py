@@ -64,7 +64,9 @@ def plot(out):
 
     fig = Figure(figsize=(9, 5))
     ax = fig.subplots()
-    for (name, color) in (("bf16", "tab:blue"), ("fp8", "tab:red")):
+    for (name, color) in (("bf16", "tab:blue"), ("fp8", "tab:red"), ("fp8_stale_weights", "tab:orange")):
+        if not os.path.exists(os.path.join(out, f"{name}.jsonl")):
+            continue
         rows = read(os.path.join(out, f"{name}.jsonl"))
         steps = [(r["iter"], r["loss"]) for r in rows if r["type"] == "step"]
         evals = [(r["iter"], r["val_loss"]) for r in rows if r["type"] == "eval"]
@@ -73,7 +75,8 @@ def plot(out):
     ax.set(xlabel="iteration", ylabel="loss", title="GPT-2 small shape on shakespeare (BPE): fused MLP, bf16 vs FP8")
     ax.legend()
     fig.savefig(os.path.join(out, "loss.png"), dpi=110)
-    table(out)
+    if os.path.exists(os.path.join(out, "fp8.jsonl")):
+        table(out)
 
 
 if __name__ == "__main__":
