@@ -50,7 +50,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .activations import activation, activation_grad, kernel_activations
 from .dgrad import linear_act_dgrad
 from .linear_act import linear_act_forward
-from .matmul import column_offsets, matmul_loop, needs_int64, split_columns, tile_ids, tma_operands, _capability
+from .matmul import _capability, column_offsets, matmul_loop, needs_int64, tile_ids, tma_operands
 from .tuning import AUTOTUNE, INTERPRET, _config, cdiv, launch_matmul, matmul_configs, tuned_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -449,19 +449,25 @@ def fp8_dgrad(grad_y, w2, saved, activation, state, bias_grad):
 # ----------------------------------------------------------------------------------------------------------
 # autograd
 
+def _rows_and_transposed_copy(t, state, slot):
+    """t as rows (M, C) with a contiguous last dim, and its FP8 transposed copy (the calibrating call: at t's own
+    scale)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    if not state.calibrated:
+        _set_current_scale(state, slot, t2)
+    return t2, cast_transpose(t2, state, slot)[1]
+
+
 class FP8MLPFunction(torch.autograd.Function):
     """y = act(x @ W1ᵀ + b1) @ W2ᵀ + b2 with the FP8 GEMMs of the module docstring. x and the weights come in 16
     bits (autocast's copies); the weights' FP8 copies (FP8State.weights) come beside them, not differentiated."""
 
     @staticmethod
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv):
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
         calibrate = not state.calibrated
-        if calibrate:
-            _set_current_scale(state, X, x2)
-        _, xt8 = cast_transpose(x2, state, X)
+        x2, xt8 = _rows_and_transposed_copy(x, state, X)
         if calibrate:  # current scaling through separate passes, once
             h, saved = linear_act_forward(x2, w_fc, b_fc, activation, save=True)
             _set_current_scale(state, H, h)
@@ -480,13 +486,8 @@ class FP8MLPFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv = ctx.saved_tensors
         state = ctx.state
-        gy = grad_y.reshape(-1, grad_y.shape[-1])
-        if gy.stride(1) != 1:
-            gy = gy.contiguous()
         calibrate = not state.calibrated
-        if calibrate:
-            _set_current_scale(state, GRAD_Y, gy)
-        _, gyt8 = cast_transpose(gy, state, GRAD_Y)
+        gy, gyt8 = _rows_and_transposed_copy(grad_y, state, GRAD_Y)
         bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2]
         if calibrate:
             gz, grad_b_fc = linear_act_dgrad(gy, w_proj, saved, ctx.activation, bias_grad=bias_grad)
