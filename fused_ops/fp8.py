@@ -24,12 +24,15 @@ the two operands' 1/scale. An epilogue writes each tile as soon as it is compute
 scale before the tensor's amax exists: the scale comes from the largest amax of the last `history`
 micro-steps (FP8State), and each kernel folds its tiles' amax into the current one with an atomic max.
 After each backward one tiny kernel moves the current amaxes into the history and computes the next
-scales, on the GPU (no host sync, so CUDA graphs could capture it). Values past the range saturate to
+scales, on the GPU without a host sync (the calibration flag and the weight cache below are host state,
+so CUDA graphs cannot capture this path yet). Under torch.distributed the amaxes are first reduced (MAX)
+over the processes, so that all quantize with the same scales. Values past the range saturate to
 ±fp8_max (the price of a delayed scale when a tensor grows suddenly); the history's max keeps that rare.
+Non-finite amaxes (an overflowed fp16 step, a NaN) are left out of the max.
 The first call of each MLP has no history: it calibrates, with current scaling through separate passes
 (each tensor's amax measured before it is quantized), and from then on the fused path runs.
-Weights use current scaling, since their FP8 copies (W2 and W1ᵀ) are made once per optimizer step,
-when a parameter's version changes, not per micro-step.
+Weights use current scaling, since their FP8 copies (W2 and W1ᵀ) are made once per optimizer step
+(FP8State.weights), not per micro-step.
 Rows are padded to a multiple of 16 in the transposed copies (zeros), since the GEMMs reducing over the
 tokens need K % 16 == 0.
 
@@ -43,6 +46,7 @@ in fp32, then the bit fields); on a GPU the hardware conversion (round to neares
 """
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -163,8 +167,8 @@ def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, s
 @triton.jit
 def update_scales_kernel(history_ptr, position_ptr, amax_ptr, scale_ptr, inv_scale_ptr, fp8_max_ptr,
                          HISTORY: tl.constexpr):
-    """For one slot: write the current amax into the history ring, reset it, and set the next scale from
-    the history's max (kept as it was when that max is 0 or not finite: nothing measured, or a NaN run)."""
+    """For one slot: write the current amax into the history ring, reset it, and set the next scale from the
+    largest finite amax of the history (kept as it was when there is none: nothing measured yet)."""
     slot = tl.program_id(0)
     offs = tl.arange(0, HISTORY)
     position = tl.load(position_ptr + slot)
@@ -174,8 +178,8 @@ def update_scales_kernel(history_ptr, position_ptr, amax_ptr, scale_ptr, inv_sca
     tl.store(history_ptr + slot * HISTORY + position, current)
     tl.store(position_ptr + slot, (position + 1) % HISTORY)
     tl.store(amax_ptr + slot, 0.0)
-    amax = tl.max(history, axis=0)
-    usable = (amax > 0.0) & (amax < float("inf"))
+    amax = tl.max(tl.where(history < float("inf"), history, 0.0), axis=0)  # NaN < inf is false too
+    usable = amax > 0.0
     scale = tl.where(usable, tl.load(fp8_max_ptr + slot) / tl.where(usable, amax, 1.0), tl.load(scale_ptr + slot))
     tl.store(scale_ptr + slot, scale)
     tl.store(inv_scale_ptr + slot * 4, 1.0 / scale)
@@ -311,10 +315,8 @@ class FP8State(torch.nn.Module):
         self._weights = None  # (the parameters' identity and versions, their FP8 copies)
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for name, t in self._buffers.items():
-            if t.is_floating_point() and t.dtype != torch.float32:  # model.to(torch.bfloat16) keeps them fp32
-                self._buffers[name] = t.float()
+        for name, t in self._buffers.items():  # model.to(device, dtype) moves them, never casts them (fp32 scales)
+            self._buffers[name] = t.to(fn(t).device)
         self._weights = None
         return self
 
@@ -342,7 +344,8 @@ def quantize_weight(w, transpose=False):
     w = w.detach().float()
     amax = w.abs().amax()
     scale = torch.where((amax > 0) & amax.isfinite(), FP8_MAX[E4M3] / amax, torch.ones_like(amax))
-    q = (w * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
+    q = (w * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3])
+    q = torch.where(w.isinf(), float("nan"), q).to(E4M3)  # ±inf: NaN, as in the kernels
     return (q.t().contiguous() if transpose else q), scale.reciprocal().reshape(1)
 
 
@@ -501,6 +504,8 @@ class FP8MLPFunction(torch.autograd.Function):
         grad_b_proj = gy.sum(0) if ctx.has_bias[1] and ctx.needs_input_grad[4] else None
         grad_x = torch._scaled_mm(gz8, w_fc_t8.t(), scale_a=inv_gz, scale_b=w_fc_inv, out_dtype=gy.dtype)
         grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_proj.dtype)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(state.amax, op=dist.ReduceOp.MAX)  # one set of scales for every process
         update_scales(state)
         state.calibrated = True
         grad_b_fc = grad_b_fc.to(gy.dtype) if bias_grad else None

@@ -85,8 +85,14 @@ def make_mlp(C, hidden, activation, dtype, device, bias=True, seed=0):
     return fc, proj
 
 
-def check_against_recipe(M, C, hidden, activation, dtype, device, calls=3, bias=True, eps=1e-3, gy_scale=1e-3):
-    """Several calls (the first calibrates, the rest use delayed scales): each against recipe_reference."""
+def check_against_recipe(M, C, hidden, activation, dtype, device, calls=3, bias=True, eps=1e-3, gy_scale=1e-3,
+                         close_to_recipe=None):
+    """Several calls (the first calibrates, the rest use delayed scales): each against recipe_reference.
+
+    close_to_recipe: also bound the kernels' distance to the recipe itself, as a fraction of the recipe's error.
+    In fp16 (CPU) it is small; in bf16 the kernels quantize values that went through bf16 (dh/dz is saved in
+    16 bits), so more of them land on the neighbouring FP8 step than the float64 reference's, and the 2x rule
+    alone applies."""
     fc, proj = make_mlp(C, hidden, activation, dtype, device, bias)
     state = FP8State().to(device)
     for call in range(calls):
@@ -110,6 +116,9 @@ def check_against_recipe(M, C, hidden, activation, dtype, device, calls=3, bias=
             assert torch.isfinite(o).all(), (call, name)
             err, ref_err = rel(o, e), rel(r, e)
             assert err <= 2 * ref_err + eps, f"call {call} {name}: FP8 kernels {err:.4g} against the recipe's {ref_err:.4g}"
+            # a wrong scale of a few percent shows here before it shows against float64
+            if close_to_recipe is not None:
+                assert rel(o, r) <= close_to_recipe * ref_err, f"call {call} {name}: {rel(o, r):.4g} from the recipe"
         if bias:  # the bias gradients come unquantized (column sums in fp32), as in bf16
             assert rel(fc.bias.grad, exact[3]) < 0.05 and rel(proj.bias.grad, exact[5]) < 1e-2
         fc.zero_grad(set_to_none=True)
@@ -123,7 +132,7 @@ def check_against_recipe(M, C, hidden, activation, dtype, device, calls=3, bias=
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 @pytest.mark.parametrize("M", [64, 45])  # 45: rows padded to 48 in the transposed copies
 def test_fp8_mlp_matches_the_recipe_on_cpu(activation, M):
-    check_against_recipe(M, 32, 64, activation, torch.float16, "cpu")
+    check_against_recipe(M, 32, 64, activation, torch.float16, "cpu", close_to_recipe=0.5)
 
 
 def test_fp8_mlp_under_autocast_on_cpu():
@@ -137,6 +146,8 @@ def test_fp8_mlp_under_autocast_on_cpu():
         assert y.dtype == torch.float16
         y.float().square().mean().backward()
         assert fc.weight.grad.dtype == torch.float32 and torch.isfinite(fc.weight.grad).all()
+        w_proj8, w_proj_inv = fp8.quantize_weight(proj.weight)  # from the fp32 master, not its fp16 copy
+        assert torch.equal(state.weights(fc.weight, proj.weight)[0].float(), w_proj8.float())
         exact = exact_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, "gelu", torch.zeros(40, 32))[0]
         assert rel(y, exact) < 0.05
         fc.zero_grad()
@@ -155,13 +166,13 @@ def test_cast_transpose_is_torchs_quantization_padded_with_zeros():
     assert torch.equal(q.float().nan_to_num(7.0), expected.float().nan_to_num(7.0))
     assert torch.equal(qt[:, :37].t().float().nan_to_num(7.0), expected.float().nan_to_num(7.0))
     assert q[6, 8].float() == 448.0  # finite values past the range saturate
-    assert math.isnan(state.amax[fp8.X].item()) or state.amax[fp8.X].item() == float("inf")
+    assert state.amax[fp8.X].item() == float("inf")  # (the max skips the NaN; update_scales skips the inf)
     # e5m2 (gradients): a wider range, a coarser grid
     state.amax.zero_()
+    state.scale[fp8.GRAD_Y] = 3e4
     g = torch.randn(20, 32, dtype=torch.float16) * 1e-4
     _, gt = fp8.cast_transpose(g, state, fp8.GRAD_Y)
-    state.scale[fp8.GRAD_Y] = 1.0
-    assert torch.equal(gt[:, :20].t().float(), quantize(g, 1.0, E5M2).float())
+    assert torch.equal(gt[:, :20].t().float(), quantize(g, 3e4, E5M2).float())
     assert state.amax[fp8.GRAD_Y].item() == g.float().abs().max().item()
 
 
@@ -180,9 +191,11 @@ def test_update_scales_keeps_a_history_and_ignores_empty_amaxes():
     assert scales == [448 / 2, 448 / 8, 448 / 8, 448 / 8, 448 / 8, 448 / 1, 448 / 0.5, 448 / 0.25, 448 / 0.25]
     assert state.scale[2].item() == 57344 / 0.25  # e5m2 slots: their own maximum
     assert torch.allclose(state.inv_scale[:, 0] * state.scale, torch.ones(4))
-    state.amax.fill_(float("nan"))  # a NaN run: the scale stays finite (train.py stops at the NaN loss)
-    fp8.update_scales(state)
-    assert state.scale.isfinite().all() and (state.scale > 0).all()
+    # non-finite amaxes (an fp16 step that overflowed, a NaN) are left out of the max, not frozen into it
+    for a, expected in ((8.0, 448 / 8), (float("inf"), 448 / 8), (float("nan"), 448 / 8), (1.0, 448 / 8), (1.0, 448 / 1)):
+        state.amax.fill_(a)
+        fp8.update_scales(state)
+        assert state.scale[0].item() == expected, a
 
 
 def test_weight_copies_are_made_once_per_optimizer_step():
@@ -239,7 +252,7 @@ def test_config_fp8_is_opt_in_and_checked():
         settings.check({**train.DEFAULTS, "fp8": True, "mlp": "fused", "compile": True})
 
 
-def test_gpt_trains_with_fp8_and_its_checkpoint_samples_in_16_bits():
+def test_gpt_trains_with_fp8_and_its_weights_load_without_it():
     torch.manual_seed(0)
     config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True)
     gpt = model.GPT(config)
@@ -256,6 +269,10 @@ def test_gpt_trains_with_fp8_and_its_checkpoint_samples_in_16_bits():
         losses.append(loss.item())
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
     assert all(block.mlp.fp8.calibrated for block in gpt.transformer.h)
+    scales = [block.mlp.fp8.scale.clone() for block in gpt.transformer.h]
+    gpt.to(torch.bfloat16)  # moves the scales with the model, never rounds them
+    assert all(torch.equal(block.mlp.fp8.scale, s) for block, s in zip(gpt.transformer.h, scales))
+    gpt.float()
     plain = model.GPT(model.GPTConfig(**{**config.__dict__, "fp8": False}))
     plain.load_state_dict(gpt.state_dict())  # the same weights, loadable without FP8
 
@@ -296,3 +313,54 @@ def test_transposed_copies_equal_the_row_major_ones_on_cpu(activation):
 @pytest.mark.parametrize("M", [12288, 1000 + 7])
 def test_transposed_copies_equal_the_row_major_ones_on_the_gpu(activation, M):
     check_transposed_copies(M, 768, 2048 if activation == "swiglu" else 3072, activation, torch.bfloat16, "cuda")
+
+
+def test_interleaved_forwards_and_backwards_keep_each_forwards_scales():
+    """Two forwards, then their backwards in reverse order: the second backward's update moves the scales, and the
+    first backward must still dequantize its saved x and h with the scales they were quantized with."""
+    fc, proj = make_mlp(32, 64, "gelu", torch.float16, "cpu", bias=False)
+    state = FP8State()
+    warm = torch.randn(48, 32, dtype=torch.float16, requires_grad=True)
+    fp8_mlp(warm, fc, proj, "gelu", state).backward(torch.randn(48, 32, dtype=torch.float16) * 1e-3)  # calibrates
+    xa = torch.randn(48, 32, dtype=torch.float16, requires_grad=True)
+    xb = (torch.randn(48, 32, dtype=torch.float16) * 4).requires_grad_()  # larger: its amax moves the scales
+    gya, gyb = (torch.randn(48, 32, dtype=torch.float16) * 1e-3 for _ in range(2))
+    forward_scales = state.scale.tolist()
+    ya = fp8_mlp(xa, fc, proj, "gelu", state)
+    fp8_mlp(xb, fc, proj, "gelu", state).backward(gyb)
+    assert state.scale[fp8.X].item() < forward_scales[fp8.X]  # the update happened between
+    fc.zero_grad(set_to_none=True)
+    proj.zero_grad(set_to_none=True)
+    backward_scales = state.scale.tolist()
+    ya.backward(gya)
+    ref = recipe_reference(xa.detach(), fc.weight.detach(), None, proj.weight.detach(), None, "gelu", gya,
+                           forward_scales[:2] + backward_scales[2:])
+    exact = exact_mlp(xa, fc.weight, None, proj.weight, None, "gelu", gya)
+    for name, o, r, e in zip(("dW1", "dW2"), (fc.weight.grad, proj.weight.grad), ref[2:], (exact[2], exact[4])):
+        assert rel(o, r) <= 0.5 * rel(r, e), name
+
+
+def _two_process_scales(rank, world, port, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    fc, proj = make_mlp(32, 64, "gelu", torch.float16, "cpu", bias=False)
+    state = FP8State()
+    torch.manual_seed(rank)
+    for _ in range(2):
+        x = (torch.randn(32, 32, dtype=torch.float16) * (1 + 9 * rank)).requires_grad_()  # rank 1's amax is larger
+        fp8_mlp(x, fc, proj, "gelu", state).backward(torch.randn(32, 32, dtype=torch.float16) * 1e-3)
+    torch.save({"scale": state.scale, "history": state.history}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_processes_share_one_set_of_scales(tmp_path):
+    """Under torch.distributed the amaxes are reduced (MAX) before every update: every process quantizes alike."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_two_process_scales, args=(2, port, str(tmp_path)), nprocs=2)
+    a, b = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
+    assert torch.equal(a["scale"], b["scale"]) and torch.equal(a["history"], b["history"])
+    assert a["history"][fp8.X, :2].min() > 10  # rank 1's x (std 10) set both processes' x amax
