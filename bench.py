@@ -14,6 +14,13 @@ backward and the AdamW update over gradient_accumulation_steps micro-batches. Re
 after warm-up, tokens/s, MFU against the GPU's peak bf16 rate, peak GPU memory of the timed steps (allocated, and
 reserved: CUDA graphs' private pools count only there). Writes JSON, CSV and a PNG bar chart to --out (default
 results/bench_<config>.*). --compile also takes a torch.compile mode: --compile=True,reduce-overhead.
+--mlps=fp8 adds the fused MLP with FP8 GEMMs (fused_ops/fp8.py; uncompiled).
+
+Variants run one after another by default, and the first of a process can run slower whatever it is (measured:
+results/bench_gpt2_124m_uncompiled_orders_h100.txt). --rounds=N builds them all first, then times them in N
+rounds of --steps steps, reversing their order every other round, and prints each round's median too:
+
+    python bench.py configs/gpt2_124m.py --compile=False --rounds=4 --steps=10
 
 --mlp_widths times the MLP alone instead, with bench_mlp.py's functions: for each width C and activation,
 eager, fused and torch.compile (of eager), forward and forward+backward ms and % of the matmul floor (the
@@ -59,7 +66,9 @@ def parse_args(argv=None):
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
                          "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (per round, with --rounds)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: build every variant first, then time them in this many rounds, alternating their order")
     ap.add_argument("--out", default=None, help="output path without extension")
     ap.add_argument("--mlp_widths", default=None, help="time the MLP alone at these widths C, e.g. 768,1024,2048,4096")
     ap.add_argument("--mlp_tokens", default=None, help="tokens M per width (default: bench_mlp.DEFAULT_TOKENS)")
@@ -130,49 +139,91 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
 
 
 def run_variant(model_args, state, mlp, compiled, batches, args, dtype):
-    """One variant's row (time_variant); out of memory is one line saying what to lower."""
-    if args.device.startswith("cuda"):  # blocks cached by earlier variants would count in this one's reserved peak
-        gc.collect()
-        torch.cuda.empty_cache()
+    """One variant's row (warm-up, then --steps timed steps); out of memory is one line saying what to lower."""
+    with out_of_memory_says(mlp, compiled):
+        run = start_variant(model_args, state, mlp, compiled, batches, args, dtype)
+        timed_steps(run, args.steps)
+        return summarize(run, batches)
+
+
+def run_interleaved(model_args, state, variants, batches, args, dtype):
+    """Every variant built and warmed up first, then --rounds rounds of --steps timed steps each, the variants'
+    order reversed every other round: the order a process runs them in (the first runs slower on some hosts)
+    and the host's drift then fall on all alike. Each row also gives its per-round medians."""
+    runs = []
+    for mlp, compiled in variants:
+        with out_of_memory_says(mlp, compiled):
+            runs.append(start_variant(model_args, state, mlp, compiled, batches, args, dtype))
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    for r in range(args.rounds):
+        for run in (runs if r % 2 == 0 else runs[::-1]):
+            run["rounds"].append(statistics.median(timed_steps(run, args.steps)) * 1e3)
+    return [summarize(run, batches, memory=False) for run in runs]
+
+
+@contextlib.contextmanager
+def out_of_memory_says(mlp, compiled):
     try:
-        return time_variant(model_args, state, mlp, compiled, batches, args, dtype)
+        yield
     except torch.OutOfMemoryError as e:
         raise errors.RunError(f"out of memory running {label({'mlp': mlp, 'compile': compiled})} "
                               f"({str(e).splitlines()[0][:120]}): lower --batch_size, --block_size or --grad_accum, "
                               "or use a smaller config") from None
 
 
-def time_variant(model_args, state, mlp, compiled, batches, args, dtype):
-    """Warm-up steps, then timed ones: median ms/step, tokens/s, MFU, peak memory, the first losses, and the
-    seconds from building the model to the end of its first step (compilation, tuning, CUDA graphs: start-up)."""
+def start_variant(model_args, state, mlp, compiled, batches, args, dtype):
+    """Build one variant and run its warm-up steps: the first losses, and the seconds from building the model to
+    the end of its first step (compilation, tuning, CUDA graphs: start-up)."""
+    if args.device.startswith("cuda"):  # blocks cached by earlier variants would count in this one's reserved peak
+        gc.collect()
+        torch.cuda.empty_cache()
     t_build = time.perf_counter()
     model, step = make_step(model_args, state, mlp, compiled, batches, args, dtype)
-    cuda = args.device.startswith("cuda")
-    losses, times = [], []
-    for i in range(args.warmup + args.steps):
-        if cuda and i == args.warmup:
-            # Peak memory of the timed steps only: one-time work in the first steps (torch.compile, the
-            # kernels' tuning with do_bench's 256 MB cache-flush buffer) is not what training holds.
-            torch.cuda.reset_peak_memory_stats()
-        if cuda:
+    run = {"mlp": mlp, "compile": compiled, "model": model, "step": step, "cuda": args.device.startswith("cuda"),
+           "i": 0, "losses": [], "warmup": [], "timed": [], "rounds": []}
+    run["warmup"] = timed_steps(run, 1, timed=False)
+    run["to_first_step_s"] = time.perf_counter() - t_build
+    run["warmup"] += timed_steps(run, args.warmup - 1, timed=False)
+    if run["cuda"]:
+        # Peak memory of the timed steps only: one-time work in the first steps (torch.compile, the
+        # kernels' tuning with do_bench's 256 MB cache-flush buffer) is not what training holds.
+        torch.cuda.reset_peak_memory_stats()
+    return run
+
+
+def timed_steps(run, n, timed=True):
+    """n more steps of a variant, each timed from a synchronized start to a synchronized end (seconds)."""
+    times = []
+    for _ in range(n):
+        if run["cuda"]:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = step(i)
-        if cuda:
+        loss = run["step"](run["i"])
+        if run["cuda"]:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if i == 0:
-            to_first_step = time.perf_counter() - t_build
-    dt = statistics.median(times[args.warmup:])
+        run["losses"].append(loss.item())
+        run["i"] += 1
+    if timed:
+        run["timed"] += times
+    return times
+
+
+def summarize(run, batches, memory=True):
+    """A variant's row: median ms/step of its timed steps, tokens/s, MFU, peak memory (memory: of its own timed
+    steps; interleaved variants share one peak, so none is given), first losses, start-up."""
+    dt = statistics.median(run["timed"])
     tokens = sum(x.numel() for x, _ in batches[0])
-    mfu = model.estimate_mfu(len(batches[0]) * batches[0][0][0].size(0), dt)
-    return {"mlp": mlp, "compile": compiled, "ms_per_step": dt * 1e3, "tokens_per_s": tokens / dt,
+    mfu = run["model"].estimate_mfu(len(batches[0]) * batches[0][0][0].size(0), dt)
+    cuda = run["cuda"] and memory
+    return {"mlp": run["mlp"], "compile": run["compile"], "ms_per_step": dt * 1e3, "tokens_per_s": tokens / dt,
             "mfu": mfu, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
             # reserved by the caching allocator: includes the private pools CUDA graphs (reduce-overhead)
             # allocate from, which the allocated figure leaves out
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30 if cuda else None,
-            "first_losses": losses[:3], "first_step_s": times[0], "to_first_step_s": to_first_step}
+            "first_losses": run["losses"][:3], "first_step_s": run["warmup"][0],
+            "to_first_step_s": run["to_first_step_s"], "round_ms": run["rounds"] or None}
 
 
 def make_batches(model_args, batch_size, args):
@@ -200,9 +251,11 @@ def run(args):
     state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
     variants = [(m, compile_setting(c)) for c in args.compile.split(",") for m in args.mlps.split(",")
                 if not (m == "fp8" and compile_setting(c))]  # FP8 runs uncompiled in this first stage
-    rows = []
-    for mlp, compiled in tqdm(variants, desc="variants"):
-        rows.append(run_variant(model_args, state, mlp, compiled, batches, args, dtype))
+    if args.rounds > 1:
+        rows = run_interleaved(model_args, state, variants, batches, args, dtype)
+    else:
+        rows = [run_variant(model_args, state, mlp, compiled, batches, args, dtype)
+                for mlp, compiled in tqdm(variants, desc="variants")]
 
     name = os.path.splitext(os.path.basename(args.config))[0] + (f"_{args.activation}" if args.activation else "")
     out = args.out or os.path.join("results", f"bench_{name}")
@@ -217,13 +270,14 @@ def run(args):
     print(f"\n{env['device']}  torch {env['torch']}  {env['dtype']}  batch {batch_size}x{T} x{args.grad_accum}")
     width = max(16, *(len(label(r)) + 1 for r in rows))
     print(f"{'variant':<{width}}{'ms/step':>9}{'tok/s':>11}{'vs eager':>9}{'MFU':>7}{'mem GiB':>9}{'rsv GiB':>9}"
-          f"{'1st step s':>11}  first losses")
+          f"{'1st step s':>11}  first losses" + ("   rounds: median ms/step each" if args.rounds > 1 else ""))
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem, rsv = (f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("peak_mem_gib", "peak_reserved_gib"))
         print(f"{label(r):<{width}}{r['ms_per_step']:9.1f}{r['tokens_per_s']:11,.0f}"
               f"{base['ms_per_step'] / r['ms_per_step']:8.2f}x{mfu:>7}{mem:>9}{rsv:>9}{r['to_first_step_s']:11.1f}  "
-              + " ".join(f"{l:.4f}" for l in r["first_losses"]))
+              + " ".join(f"{l:.4f}" for l in r["first_losses"])
+              + ("   " + " ".join(f"{m:.1f}" for m in r["round_ms"]) if r["round_ms"] else ""))
     return rows
 
 

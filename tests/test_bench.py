@@ -32,6 +32,26 @@ def test_bench_runs_and_paths_agree(tmp_path):
     assert saved["env"]["model"]["n_embd"] == 32 and len(saved["rows"]) == 2
 
 
+def test_bench_rounds_interleave_the_variants(tmp_path, monkeypatch):
+    """--rounds: every variant built first, then timed round by round in alternating order."""
+    cfg = tmp_path / "tiny.py"
+    cfg.write_text("n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 16\nbatch_size = 2\ndataset = 'shakespeare_char'\n")
+    order = []
+    start = bench.timed_steps
+
+    def recording(run, n, timed=True):
+        if timed:
+            order.append(run["mlp"])
+        return start(run, n, timed)
+    monkeypatch.setattr(bench, "timed_steps", recording)
+    rows = bench.main([str(cfg), f"--device={DEVICE}", "--dtype=float32", "--compile=False", "--warmup=1", "--steps=1",
+                       "--rounds=3", "--mlps=eager,fused", f"--out={tmp_path / 'b'}"])
+    assert order == ["eager", "fused", "fused", "eager", "eager", "fused"]
+    assert all(len(r["round_ms"]) == 3 and r["ms_per_step"] > 0 and r["peak_mem_gib"] is None for r in rows)
+    for a, b in zip(*(r["first_losses"] for r in rows)):  # the same weights and batches, whatever the order
+        assert abs(a - b) < 1e-4
+
+
 def test_bench_mlp_widths(tmp_path):
     """--mlp_widths on CPU at tiny sizes: a row per width, activation and path; fused forward equals eager's."""
     out = str(tmp_path / "widths")
