@@ -50,12 +50,8 @@ def check_mlp(mlp, device, source="--mlp=fused"):
 
 def check_fp8(fp8, device):
     """fp8=True needs FP8 tensor cores (fused_ops/fp8.py): one line naming the requirement where they are missing."""
-    if not fp8:
-        return
-    fused_ops = model.import_fused_ops(required=True)
-    dev = torch.device(device)
-    if not fused_ops.fp8_supported(dev):
-        where = (f"{torch.cuda.get_device_name(dev)} is sm_{''.join(map(str, torch.cuda.get_device_capability(dev)))}"
-                 if dev.type == "cuda" else f"the device is {device}")
-        raise errors.UsageError(f"--fp8=True needs FP8 tensor cores (an NVIDIA Ada or Hopper GPU, compute capability "
-                                f"8.9+); {where}: use --fp8=False")
+    if fp8:
+        try:
+            model.import_fused_ops(required=True).check_fp8_device(torch.device(device))
+        except RuntimeError as e:
+            raise errors.UsageError(f"--{e}") from None

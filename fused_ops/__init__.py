@@ -3,12 +3,12 @@ fused, gated (GLU) variants, their autograd Functions and fused_mlp_layers (mode
 
 from .activations import GATED, PLAIN, kernel_activations
 from .dgrad import linear_act_dgrad
-from .fp8 import FP8State, fp8_mlp, fp8_supported
+from .fp8 import FP8State, check_fp8_device, fp8_mlp, fp8_supported
 from .linear_act import linear_act_forward
 from .mlp import (FusedMLPFunction, LinearActFunction, check_mlp_args, fused_mlp, fused_mlp_layers, kernels_can_run,
                   linear_act)
 
 __all__ = [
-    "GATED", "PLAIN", "kernel_activations", "FP8State", "fp8_mlp", "fp8_supported", "linear_act_dgrad", "linear_act_forward", "FusedMLPFunction",
-    "LinearActFunction", "check_mlp_args", "fused_mlp", "fused_mlp_layers", "kernels_can_run", "linear_act",
+    "GATED", "PLAIN", "kernel_activations", "FP8State", "check_fp8_device", "fp8_mlp", "fp8_supported",
+    "linear_act_dgrad", "linear_act_forward", "FusedMLPFunction", "LinearActFunction", "check_mlp_args", "fused_mlp", "fused_mlp_layers", "kernels_can_run", "linear_act",
 ]

@@ -82,7 +82,7 @@ def check_fp8_device(device):
     else:
         where = f"the device is {device.type}"
     raise RuntimeError(f"fp8=True needs FP8 tensor cores (an NVIDIA Ada or Hopper GPU, compute capability 8.9+); "
-                       f"{where}: set fp8=False")
+                       f"{where}: use fp8=False")
 
 
 # ----------------------------------------------------------------------------------------------------------

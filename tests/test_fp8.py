@@ -135,23 +135,47 @@ def test_fp8_mlp_matches_the_recipe_on_cpu(activation, M):
     check_against_recipe(M, 32, 64, activation, torch.float16, "cpu", close_to_recipe=0.5)
 
 
-def test_fp8_mlp_under_autocast_on_cpu():
-    """Training runs under autocast: fp32 masters, fp16 copies; the weights' FP8 copies come from the masters."""
-    fc, proj = make_mlp(32, 64, "gelu", torch.float32, "cpu")
-    state = FP8State()
+def check_under_autocast(device, dtype, C=32, hidden=64, M=40):
+    """Training runs under autocast: fp32 masters, 16-bit copies; the weights' FP8 copies come from the masters."""
+    fc, proj = make_mlp(C, hidden, "gelu", torch.float32, device)
+    state = FP8State().to(device)
     for _ in range(2):
-        x = torch.randn(40, 32, requires_grad=True)
-        with torch.autocast("cpu", dtype=torch.float16):
+        x = torch.randn(M, C, device=device, requires_grad=True)
+        with torch.autocast(device, dtype=dtype):
             y = fp8_mlp(x, fc, proj, "gelu", state)
-        assert y.dtype == torch.float16
+        assert y.dtype == dtype
         y.float().square().mean().backward()
         assert fc.weight.grad.dtype == torch.float32 and torch.isfinite(fc.weight.grad).all()
         w_proj8, w_proj_inv = fp8.quantize_weight(proj.weight)  # from the fp32 master, not its fp16 copy
         assert torch.equal(state.weights(fc.weight, proj.weight)[0].float(), w_proj8.float())
-        exact = exact_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, "gelu", torch.zeros(40, 32))[0]
+        exact = exact_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, "gelu", torch.zeros(M, C, device=device))[0]
         assert rel(y, exact) < 0.05
         fc.zero_grad()
         proj.zero_grad()
+
+
+def test_fp8_mlp_under_autocast_on_cpu():
+    check_under_autocast("cpu", torch.float16)
+
+
+def check_nan_and_inf_rows(device, dtype):
+    """NaN in a row of x: that row of y is NaN; +inf: NaN too (h = act(+inf) is inf, and ±inf quantizes to NaN);
+    the other rows stay finite, in the step itself and in the gradients of the rows that had none."""
+    fc, proj = make_mlp(64, 128, "gelu", dtype, device, bias=False)
+    state = FP8State().to(device)
+    warm = torch.randn(48, 64, device=device, dtype=dtype, requires_grad=True)
+    fp8_mlp(warm, fc, proj, "gelu", state).backward(torch.randn_like(warm) * 1e-3)  # calibrated scales
+    x = torch.randn(48, 64, device=device, dtype=dtype)
+    x[3], x[7, 5] = float("nan"), float("inf")
+    x.requires_grad_()
+    y = fp8_mlp(x, fc, proj, "gelu", state)
+    assert y[3].isnan().all() and y[7].isnan().all()
+    others = [i for i in range(48) if i not in (3, 7)]
+    assert y[others].isfinite().all()
+
+
+def test_nan_and_inf_rows_on_cpu():
+    check_nan_and_inf_rows("cpu", torch.float16)
 
 
 def test_cast_transpose_is_torchs_quantization_padded_with_zeros():
@@ -364,3 +388,15 @@ def test_processes_share_one_set_of_scales(tmp_path):
     a, b = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
     assert torch.equal(a["scale"], b["scale"]) and torch.equal(a["history"], b["history"])
     assert a["history"][fp8.X, :2].min() > 10  # rank 1's x (std 10) set both processes' x amax
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_fp8_mlp_under_autocast_on_the_gpu():
+    check_under_autocast("cuda", torch.bfloat16, C=256, hidden=1024, M=1000 + 7)
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_nan_and_inf_rows_on_the_gpu():
+    check_nan_and_inf_rows("cuda", torch.bfloat16)
