@@ -1,14 +1,15 @@
-"""The FP8 fused MLP (opt-in, first stage): four of the MLP's six GEMMs in FP8, every quantization fused.
+"""The FP8 fused MLP (opt-in, first stage): four of the MLP's six GEMMs in FP8, the quantizations fused where the GPU allowed.
 
 Why FP8, and why not everywhere yet. On Hopper the FP8 tensor cores run at twice bf16's rate, but a
 GEMM in FP8 needs both operands quantized (scaled, rounded to 8 bits) and, for the weight-gradient
 GEMMs that reduce over the tokens, transposed: Hopper's FP8 MMA takes only K-major operands. Done as
 separate passes (torchao's float8), the casts, amax reductions and transposes cost more than FP8 saves at
 GPT-2's width (lab/fp8/README.md has the arithmetic). Here each quantized operand is written by the
-kernel that produces it, in the same epilogue, from values still in registers:
+kernel that produces it, in the same epilogue, from values still in registers (hᵀ excepted, below):
 
     forward    x      -> xᵀ (e4m3)                     one cast + transpose pass (x arrives in bf16)
-               h, s   =  act(x @ W1ᵀ + b1), dh/dz       our bf16 kernel; its epilogue writes h and hᵀ in e4m3, s in bf16
+               h, s   =  act(x @ W1ᵀ + b1), dh/dz       our bf16 kernel; its epilogue writes h in e4m3, s in bf16
+                                                        (hᵀ: a second pass over h8, transpose_fp8)
                y      =  h @ W2ᵀ + b2                   FP8 GEMM (torch._scaled_mm, cuBLAS)
     backward   gy     -> gyᵀ (e5m2)                    one cast + transpose pass
                gz     =  (gy @ W2) * s                  our bf16 dgrad kernel; its epilogue writes gz and gzᵀ in e5m2
@@ -189,10 +190,10 @@ def update_scales_kernel(history_ptr, position_ptr, amax_ptr, scale_ptr, inv_sca
 # the two epilogue kernels: bf16 main loops (matmul.matmul_loop), FP8 outputs
 
 @triton.jit
-def fp8_act_epilogue(z, z_up, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, ht8_ptr, saved_ptr, scale_ptr, amax_ptr,
+def fp8_act_epilogue(z, z_up, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, saved_ptr, scale_ptr, amax_ptr,
                      stride_sm, ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
                      HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, INT64: tl.constexpr, EMULATE: tl.constexpr):
-    """h = act(z) (gated: gate_act(z)·up_act(z_up)) quantized to h8 and h8ᵀ, and dh/dz in 16 bits."""
+    """h = act(z) (gated: gate_act(z)·up_act(z_up)) quantized to h8, and dh/dz in 16 bits."""
     n_mask = offs_n < N
     if HAS_BIAS:
         z += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
@@ -204,7 +205,7 @@ def fp8_act_epilogue(z, z_up, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, ht8_ptr, 
     up = activation(z_up, UP_ACTIVATION) if GATED else gate
     # hᵀ is written by a second pass (transpose_fp8): stored from this epilogue it came out wrong on an H100
     # with Triton 3.6 (tl.trans of the accumulator's tile), where the dgrad epilogue's is right.
-    _store_quantized(gate * up if GATED else gate, offs_m, offs_n, n_mask, M, Mp, h8_ptr, N, ht8_ptr, Mp,
+    _store_quantized(gate * up if GATED else gate, offs_m, offs_n, n_mask, M, Mp, h8_ptr, N, h8_ptr, Mp,
                      tl.load(scale_ptr), amax_ptr, True, EMULATE, INT64, TRANSPOSED=False)
     mask = (rows < M) & n_mask[None, :]
     saved_ptrs = saved_ptr + rows * stride_sm + cols
@@ -218,7 +219,7 @@ def fp8_act_epilogue(z, z_up, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, ht8_ptr, 
 
 @triton.jit
 def fp8_linear_act_kernel(
-    x_ptr, w_ptr, b_ptr, h8_ptr, ht8_ptr, saved_ptr, scale_ptr, amax_ptr, M, Mp, N, K,
+    x_ptr, w_ptr, b_ptr, h8_ptr, saved_ptr, scale_ptr, amax_ptr, M, Mp, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
@@ -233,7 +234,7 @@ def fp8_linear_act_kernel(
         N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
         TMA=TMA, B_KMAJOR=B_KMAJOR)
     tl.static_assert(not SPLIT_EPILOGUE, "fp8_configs: whole-tile epilogues")
-    fp8_act_epilogue(z, z_up, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), M, Mp, N, b_ptr, h8_ptr, ht8_ptr,
+    fp8_act_epilogue(z, z_up, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), M, Mp, N, b_ptr, h8_ptr,
                      saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS,
                      ACC_DTYPE, INT64, EMULATE)
 
@@ -414,7 +415,7 @@ def fp8_linear_act(x2, weight, bias, activation, state):
     saved = torch.empty((M, weight.shape[0]), device=x2.device, dtype=weight.dtype)
     descriptors, b_kmajor = tma_operands(x2, weight.t())
     acc_dtype, precision = tl.float32, "ieee"
-    args = (x2, weight, bias if bias is not None else weight, h8, h8, saved, state.scale[H:], state.amax[H:],
+    args = (x2, weight, bias if bias is not None else weight, h8, saved, state.scale[H:], state.amax[H:],
             M, Mp, N, K, x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), saved.stride(0))
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype,
                   PRECISION=precision, INT64=needs_int64(x2, weight, saved, h8), TMA=bool(descriptors),
