@@ -148,14 +148,20 @@ class MLP(nn.Module):
         if self.kind != "eager" and import_fused_ops(required=self.kind == "fused") is None:
             self.kind = "eager"  # "auto" without Triton
         self.fp8 = fused_ops.FP8State() if config.fp8 else None  # its delayed scales (not saved in checkpoints)
+        # Uncompiled, the fused MLP's launches cost the host more than its kernels take: CUDA graphs replay them
+        self.graphs = fused_ops.MLPGraphs() if self.kind != "eager" and self.fp8 is None else None
 
     def forward(self, x, norm=None):
         if self.fp8 is not None:
             y = fused_ops.fp8_mlp(x if norm is None else norm(x), self.c_fc, self.c_proj, self.activation, self.fp8)
             return self.dropout(y)
         if self.kind == "fused" or (self.kind == "auto" and fused_ops.kernels_can_run(x)):
-            y = fused_ops.fused_mlp_layers(x, self.c_fc, self.c_proj, self.activation, norm, self.fuse_ln)
-            return self.dropout(y)
+            def fused(x):
+                return fused_ops.fused_mlp_layers(x, self.c_fc, self.c_proj, self.activation, norm, self.fuse_ln)
+            if self.graphs is not None and fused_ops.graphs_usable(x):
+                params = [*self.c_fc.parameters(), *self.c_proj.parameters(), *(() if norm is None else norm.parameters())]
+                return self.dropout(self.graphs(fused, x, params))
+            return self.dropout(fused(x))
         h = self.c_fc(x if norm is None else norm(x))
         if self.gated:
             h = GATED_ACTIVATIONS[self.activation](*h.chunk(2, dim=-1))

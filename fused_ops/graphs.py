@@ -1,0 +1,186 @@
+"""Per-shape CUDA graphs of the fused MLP, for a model that is not compiled.
+
+Why. Outside torch.compile every fused MLP costs the host about half a millisecond per layer and step: Python,
+autograd and a dozen launches (the weights' autocast casts, the Triton kernel, cuBLAS, and the same again in
+backward). At GPT-2 small's size the GPU does the MLP's work in about as long, so the step waits on the host and
+the kernels' gain is lost (docs/performance.md). A CUDA graph records those launches once and replays them for a
+few microseconds of host time.
+
+How. As torch.cuda.make_graphed_callables, but per layer and per input shape, captured lazily:
+- The first call with a new shape (and dtype, autocast state, grad mode) runs the plain path: it compiles and
+  tunes the kernels, which may not happen inside a capture.
+- The second captures. The forward goes into one graph reading a static copy of x and the parameters in place
+  (the optimizer updates them in place, so a graph always reads the current weights); with autograd on, its
+  backward goes into a second graph, torch.autograd.grad from a static grad_y. Both share one memory pool of
+  their own. Capture runs nothing, so the graphs are then replayed for the call itself.
+- Every later call copies x in, replays, and hands out the outputs (forward: y; backward: the gradients).
+
+What keeps it exact, and what it costs:
+- A replay overwrites the graph's buffers. So y is cloned on the way out (a caller may keep it), and a second
+  forward before the first one's backward (two forwards, then two backwards) runs the plain path instead of
+  overwriting what the first backward will read. A backward whose forward buffers were overwritten anyway (a
+  retain_graph backward after a later forward) raises instead of returning wrong gradients.
+- A parameter gradient is cloned when it would become the parameter's .grad (autograd keeps the first gradient
+  of a leaf without copying it, and the next replay would overwrite it); gradients added into an existing .grad
+  are not.
+- Memory: each captured shape holds its layer's buffers (x, y, grad_y, the saved activations, the gradients)
+  for the rest of the run, about 2.5x what the layer's MLP saves for backward; at most MAX_SHAPES shapes per
+  layer are captured, later ones run the plain path.
+- A capture that fails turns the graphs off for the process with one warning; the plain path runs.
+FUSED_OPS_GRAPHS=0 turns them off (to compare, or to debug a kernel launch by launch).
+"""
+
+import os
+import warnings
+import weakref
+
+import torch
+
+ENABLED = os.environ.get("FUSED_OPS_GRAPHS", "1") != "0"
+MAX_SHAPES = 4  # captured shapes per layer (training, evaluation, sampling's prompt and its one-token steps)
+_failed = False  # set by a failed capture: the plain path from then on
+
+
+def graphs_usable(x):
+    """Whether the graphs may run here: CUDA tensors, outside torch.compile and outside someone else's capture."""
+    return (ENABLED and not _failed and x.is_cuda and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing())
+
+
+class _Captured:
+    """One shape's graphs: the static input, outputs and gradients, and the replay functions."""
+
+    def __init__(self, fn, x, params, train, emulate):
+        self.params, self.train, self.emulate = params, train, emulate
+        self.generation = 0  # forwards replayed so far: a backward checks that its forward's buffers are intact
+        self.pending = None  # weakref to the autograd node of a forward whose backward has not run
+        self.x = x.detach().clone().requires_grad_(x.requires_grad)
+        self.inputs = tuple(t for t in (self.x, *params) if t.requires_grad) if train else ()
+        holder = {}
+
+        def forward():
+            with torch.enable_grad() if train else torch.no_grad():
+                holder["y"] = fn(self.x)
+            return holder["y"]
+
+        def backward():
+            return torch.autograd.grad(holder["y"], self.inputs, self.grad_y, allow_unused=True)
+
+        pool = None if emulate else torch.cuda.graph_pool_handle()
+        if not emulate:  # lazy initializations (cuBLAS workspaces, the backward's kernels) outside the capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                y = forward()
+                if train:
+                    torch.autograd.grad(y, self.inputs, torch.ones_like(y), allow_unused=True)
+            torch.cuda.current_stream().wait_stream(side)
+            del y
+        self.y, self.replay_forward = self._record(forward, pool, emulate)
+        if train:
+            self.grad_y = torch.empty_like(self.y)
+            grads, self.replay_backward = self._record(backward, pool, emulate)
+            slots = iter(grads)  # one gradient per input surface entry (None where it needs none)
+            self.grads = tuple(next(slots) if t.requires_grad else None for t in (self.x, *params))
+
+    @staticmethod
+    def _record(fn, pool, emulate):
+        """Run fn once into buffers that every replay overwrites in place: (its outputs, replay)."""
+        if emulate:  # test double (CPU): rerun fn, copy into the first run's buffers, as a replay writes them
+            out = fn()
+
+            def replay():
+                new = fn()
+                for o, n in zip(out if isinstance(out, tuple) else (out,), new if isinstance(new, tuple) else (new,)):
+                    if o is not None:
+                        o.detach().copy_(n)
+            return out, replay
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        # capture_begin rather than torch.cuda.graph(): that one empties the allocator's cache on every capture,
+        # a cost every layer and shape would pay again.
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return out, graph.replay
+
+    def busy(self):
+        """A forward's buffers are still waiting for its backward (its autograd node is alive)."""
+        return self.pending is not None and self.pending() is not None
+
+
+class _Replay(torch.autograd.Function):
+    """The autograd node of a replayed forward: its backward replays the captured backward."""
+
+    @staticmethod
+    def forward(ctx, captured, x, *params):
+        captured.x.detach().copy_(x)
+        captured.replay_forward()
+        captured.generation += 1
+        ctx.captured, ctx.generation = captured, captured.generation
+        ctx.leaves = tuple(t if t.is_leaf else None for t in (x, *params))  # (a leaf's first gradient: see backward)
+        captured.pending = weakref.ref(ctx)
+        return captured.y.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        captured = ctx.captured
+        if ctx.generation != captured.generation:
+            raise RuntimeError("the fused MLP's CUDA graph ran a later forward before this backward and overwrote "
+                               "what it saved (a retain_graph backward?): set FUSED_OPS_GRAPHS=0 for such a run")
+        captured.grad_y.detach().copy_(grad_y)
+        captured.replay_backward()
+        captured.pending = None
+        out = []
+        for t, g in zip(ctx.leaves, captured.grads):
+            if g is not None and t is not None and t.grad is None:
+                g = g.clone()  # it becomes t.grad as it is: the next replay must not write into it
+            out.append(None if g is None else g.detach())
+        return (None, *out)
+
+
+class MLPGraphs:
+    """A layer's captured shapes. __call__(fn, x, params) returns fn(x), through a graph where it can.
+
+    fn must read only x and the tensors in params (the layer's parameters), and launch the same work every call
+    for the same input shape. emulate: a CPU test double for CUDA graphs (buffers overwritten in place at
+    every "replay"), so that the bookkeeping above can be tested without a GPU."""
+
+    def __init__(self, emulate=False):
+        self.emulate, self.captured, self.seen = emulate, {}, set()
+
+    def __call__(self, fn, x, params):
+        global _failed
+        if _failed:
+            return fn(x)
+        train = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+        autocast = torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type)
+        key = (tuple(x.shape), x.dtype, x.requires_grad, train, autocast,
+               tuple((p.data_ptr(), p.dtype, p.requires_grad) for p in params))
+        captured = self.captured.get(key)
+        if captured is None:
+            if key not in self.seen or len(self.captured) >= MAX_SHAPES:
+                if len(self.seen) < 64:  # (shapes that never come back: sampling without a KV cache)
+                    self.seen.add(key)
+                return fn(x)  # the first call: kernels compile and tune here, never inside a capture
+            try:
+                captured = self.captured[key] = _Captured(fn, x, params, train, self.emulate)
+            except Exception as e:  # an optional fast path: fall back, once, with one warning
+                _failed = True
+                warnings.warn(f"capturing the fused MLP in a CUDA graph failed ({type(e).__name__}: {e}); the "
+                              "plain fused path runs from now on", stacklevel=2)
+                return fn(x)
+        if not train:
+            captured.x.copy_(x)
+            captured.replay_forward()
+            return captured.y.clone()
+        if captured.busy():  # two forwards before one backward: the first one's buffers are still needed
+            return fn(x)
+        return _Replay.apply(captured, x, *params)
+
+    def __getstate__(self):  # (copy.deepcopy / pickling of a model: the graphs are not copied, they are recaptured)
+        return {"emulate": self.emulate, "captured": {}, "seen": set()}

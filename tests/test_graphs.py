@@ -1,0 +1,214 @@
+"""fused_ops/graphs.py: the per-shape CUDA graphs of an uncompiled fused MLP. On CPU through MLPGraphs(emulate=True),
+a test double whose every "replay" overwrites the first run's buffers in place as a CUDA graph's does, so the
+bookkeeping (static buffers, leaf gradients, forwards before backwards, the shape cap) is checked in CI; on a GPU
+(marked gpu) with real graphs, against the plain fused path and inside a whole GPT."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import fused_ops.graphs as graphs
+from fused_ops import MLPGraphs, fused_mlp_layers
+from model import GPT, GPTConfig
+
+
+
+def layer(C=16, H=32, device="cpu", dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    c_fc, c_proj, ln = torch.nn.Linear(C, H), torch.nn.Linear(H, C), torch.nn.LayerNorm(C)
+    with torch.no_grad():
+        ln.weight.add_(0.1 * torch.randn(C))
+    return [m.to(device, dtype) for m in (c_fc, c_proj, ln)]
+
+
+def run_steps(mods, xs, graphed, accumulate=1, lr=0.1):
+    """SGD steps over xs (each x: one micro-batch), zero_grad(set_to_none=True) as train.py; the outputs and the
+    final parameters. graphed: an MLPGraphs, or None for the plain fused path."""
+    c_fc, c_proj, ln = mods
+    params = [*c_fc.parameters(), *c_proj.parameters(), *ln.parameters()]
+    opt = torch.optim.SGD(params, lr=lr)
+    outs = []
+    for i, x in enumerate(xs):
+        x = x.clone().requires_grad_()
+
+        def fn(x):
+            return fused_mlp_layers(x, c_fc, c_proj, "gelu", ln)
+        y = fn(x) if graphed is None else graphed(fn, x, params)
+        (y.square().sum() / accumulate).backward()
+        outs.append((y.detach().clone(), x.grad.clone()))
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return outs, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_training_steps_match_the_plain_path(accumulate):
+    """Outputs, input gradients and the updated parameters after several steps: the graph reads the weights the
+    optimizer updated in place, and a parameter's first gradient (kept by autograd as it is) is not overwritten
+    by the next micro-step's replay."""
+    xs = [torch.randn(2, 5, 16) for _ in range(6)]
+    plain_outs, plain_params = run_steps(layer(), xs, None, accumulate)
+    g = MLPGraphs(emulate=True)
+    outs, params = run_steps(layer(), xs, g, accumulate)
+    assert len(g.captured) == 1  # captured on the second call, replayed from then on
+    for (y0, gx0), (y1, gx1) in zip(plain_outs, outs):
+        torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(gx1, gx0, rtol=1e-6, atol=1e-6)
+    for p0, p1 in zip(plain_params, params):
+        torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-6)
+
+
+def graphed_layer():
+    mods = layer()
+    params = [p for m in mods for p in m.parameters()]
+    g = MLPGraphs(emulate=True)
+
+    def call(x):
+        return g(lambda x: fused_mlp_layers(x, mods[0], mods[1], "gelu", mods[2]), x, params)
+    return g, mods, params, call
+
+
+def test_two_forwards_before_their_backwards():
+    """The second forward finds the graph's buffers waiting for the first backward: it runs the plain path, and
+    both backwards give the plain path's gradients."""
+    g, mods, params, call = graphed_layer()
+    x0 = torch.randn(4, 16)
+    call(x0.clone().requires_grad_()).sum().backward()  # plain (first sight), then capture + replay:
+    call(x0.clone().requires_grad_()).sum().backward()
+    assert len(g.captured) == 1
+    xa, xb = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    ya, yb = call(xa), call(xb)
+    (ya.square().sum() + 2 * yb.square().sum()).backward()
+    ref = [x.detach().clone().requires_grad_() for x in (xa, xb)]
+    f = [fused_mlp_layers(r, mods[0], mods[1], "gelu", mods[2]) for r in ref]
+    (f[0].square().sum() + 2 * f[1].square().sum()).backward()
+    torch.testing.assert_close(xa.grad, ref[0].grad)
+    torch.testing.assert_close(xb.grad, ref[1].grad)
+
+
+def test_a_backward_after_a_later_forward_raises():
+    """retain_graph: a second backward after another forward replayed over its buffers is an error, never
+    gradients of the wrong forward."""
+    g, _, _, call = graphed_layer()
+    for _ in range(2):
+        call(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    y = call(torch.randn(4, 16, requires_grad=True))
+    y.sum().backward(retain_graph=True)
+    call(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    with pytest.raises(RuntimeError, match="overwrote"):
+        y.sum().backward()
+
+
+def test_outputs_are_not_overwritten_by_later_calls():
+    """Under no_grad (evaluation, sampling) and with grad: y handed out stays what it was."""
+    g, *_, call = graphed_layer()
+    with torch.no_grad():
+        xs = [torch.randn(3, 16) for _ in range(3)]
+        ys = [call(x) for x in xs]
+        keep = [y.clone() for y in ys]
+        call(torch.randn(3, 16))
+    assert len(g.captured) == 1
+    for y, k in zip(ys, keep):
+        torch.testing.assert_close(y, k, rtol=0, atol=0)
+    y = call(torch.randn(3, 16, requires_grad=True))
+    keep = y.detach().clone()
+    y.sum().backward()
+    call(torch.randn(3, 16, requires_grad=True)).sum().backward()
+    torch.testing.assert_close(y.detach(), keep, rtol=0, atol=0)
+
+
+def test_new_parameters_and_shapes_get_their_own_graphs(monkeypatch):
+    """A parameter replaced (a new storage) is never read through an old graph; past MAX_SHAPES the plain path runs."""
+    monkeypatch.setattr(graphs, "MAX_SHAPES", 2)
+    g, mods, params, call = graphed_layer()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        call(x), call(x)
+        mods[0].weight.data = mods[0].weight.data * 2  # a new tensor: the captured key no longer matches
+        params[0] = mods[0].weight
+        y = call(x)
+        ref = fused_mlp_layers(x, mods[0], mods[1], "gelu", mods[2])
+        torch.testing.assert_close(y, ref)
+        call(x)
+        assert len(g.captured) == 2
+        for rows in (3, 3, 5, 5):
+            call(torch.randn(rows, 16))
+        assert len(g.captured) == 2
+
+
+def test_a_failed_capture_falls_back_with_one_warning(monkeypatch):
+    class Broken:
+        def __init__(self, *args):
+            raise RuntimeError("no graphs here")
+    monkeypatch.setattr(graphs, "_Captured", Broken)
+    monkeypatch.setattr(graphs, "_failed", False)
+    _, mods, _, call = graphed_layer()
+    x = torch.randn(2, 16)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ys = [call(x) for _ in range(3)]
+    assert len([w for w in caught if "CUDA graph" in str(w.message)]) == 1
+    assert graphs._failed
+    torch.testing.assert_close(ys[-1], fused_mlp_layers(x, mods[0], mods[1], "gelu", mods[2]))
+
+
+def test_a_deep_copy_of_the_model_recaptures():
+    g, *_ = graphed_layer()
+    g.seen.add("key")
+    assert copy.deepcopy(g).seen == set() and copy.deepcopy(g).captured == {}
+
+
+# --- on the GPU, real CUDA graphs ---
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_graphed_steps_equal_the_plain_path_on_the_gpu(dtype, autocast, accumulate):
+    """The same kernels replayed: outputs, gradients and updated parameters equal the plain fused path's."""
+    xs = [torch.randn(8, 128, 768, device="cuda") for _ in range(6)]
+    results = []
+    for graphed in (None, MLPGraphs()):
+        mods = layer(768, 3072, "cuda", dtype)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            results.append(run_steps(mods, [x.to(dtype) for x in xs], graphed, accumulate, lr=1e-3))
+    (plain_outs, plain_params), (outs, params) = results
+    for (y0, gx0), (y1, gx1) in zip(plain_outs, outs):
+        torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+        torch.testing.assert_close(gx1, gx0, rtol=0, atol=0)
+    for p0, p1 in zip(plain_params, params):
+        torch.testing.assert_close(p1, p0, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_whole_gpt_with_graphs_equals_without(monkeypatch):
+    """A GPT trained three steps under bf16 autocast (dropout on: its random numbers stay outside the graphs), then
+    evaluated: the same losses with the graphs as without (FUSED_OPS_GRAPHS=0)."""
+    cfg = GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mlp="fused", dropout=0.1)
+    losses = []
+    for enabled in (False, True):
+        monkeypatch.setattr(graphs, "ENABLED", enabled)
+        torch.manual_seed(0)
+        model = GPT(cfg).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        run = []
+        for step in range(4):
+            torch.manual_seed(step)
+            x = torch.randint(0, 512, (4, 256), device="cuda")
+            with torch.autocast("cuda", torch.bfloat16):
+                _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            run.append(loss.item())
+        model.eval()
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+            run += [model(x, x)[1].item() for _ in range(3)]
+        losses.append(run)
+        captured = sum(len(b.mlp.graphs.captured) for b in model.transformer.h)
+        assert captured == (2 * cfg.n_layer if enabled else 0)  # training and evaluation shapes, per layer
+    assert losses[0] == losses[1]
