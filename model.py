@@ -156,12 +156,10 @@ class MLP(nn.Module):
             y = fused_ops.fp8_mlp(x if norm is None else norm(x), self.c_fc, self.c_proj, self.activation, self.fp8)
             return self.dropout(y)
         if self.kind == "fused" or (self.kind == "auto" and fused_ops.kernels_can_run(x)):
-            def fused(x):
-                return fused_ops.fused_mlp_layers(x, self.c_fc, self.c_proj, self.activation, norm, self.fuse_ln)
+            fused, tensors = fused_ops.layers_as_function(self.c_fc, self.c_proj, self.activation, norm, self.fuse_ln)
             if self.graphs is not None and fused_ops.graphs_usable(x):
-                params = [*self.c_fc.parameters(), *self.c_proj.parameters(), *(() if norm is None else norm.parameters())]
-                return self.dropout(self.graphs(fused, x, params))
-            return self.dropout(fused(x))
+                return self.dropout(self.graphs(fused, x, tensors))
+            return self.dropout(fused(x, *tensors))
         h = self.c_fc(x if norm is None else norm(x))
         if self.gated:
             h = GATED_ACTIVATIONS[self.activation](*h.chunk(2, dim=-1))

@@ -54,39 +54,43 @@ class _Captured:
         self.params, self.train, self.emulate = params, train, emulate
         self.generation = 0  # forwards replayed so far: a backward checks that its forward's buffers are intact
         self.pending = None  # weakref to the autograd node of a forward whose backward has not run
+        # Fresh leaves: x's static copy, and stand-ins sharing the parameters' memory (a replay reads the current
+        # weights). The parameters' own gradient accumulators may belong to another stream (the default one, from
+        # an earlier step whose graph is still alive), and a capture may not touch the default stream.
         self.x = x.detach().clone().requires_grad_(x.requires_grad)
-        self.inputs = tuple(t for t in (self.x, *params) if t.requires_grad) if train else ()
+        stand_ins = tuple(None if p is None else p.detach().requires_grad_(p.requires_grad) for p in params)
+        surface = (self.x, *stand_ins)
+        self.inputs = tuple(t for t in surface if t is not None and t.requires_grad) if train else ()
         holder = {}
 
         def forward():
             with torch.enable_grad() if train else torch.no_grad():
-                holder["y"] = fn(self.x)
+                holder["y"] = fn(self.x, *stand_ins)
             return holder["y"]
 
         def backward():
             return torch.autograd.grad(holder["y"], self.inputs, self.grad_y, allow_unused=True)
 
-        pool = None if emulate else torch.cuda.graph_pool_handle()
+        pool, stream = (None, None) if emulate else (torch.cuda.graph_pool_handle(), torch.cuda.Stream())
         if not emulate:  # lazy initializations (cuBLAS workspaces, the backward's kernels) outside the capture
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
                 y = forward()
                 if train:
                     torch.autograd.grad(y, self.inputs, torch.ones_like(y), allow_unused=True)
-            torch.cuda.current_stream().wait_stream(side)
             del y
-        self.y, self.replay_forward = self._record(forward, pool, emulate)
+        self.y, self.replay_forward = self._record(forward, pool, stream)
         if train:
             self.grad_y = torch.empty_like(self.y)
-            grads, self.replay_backward = self._record(backward, pool, emulate)
+            grads, self.replay_backward = self._record(backward, pool, stream)
             slots = iter(grads)  # one gradient per input surface entry (None where it needs none)
-            self.grads = tuple(next(slots) if t.requires_grad else None for t in (self.x, *params))
+            self.grads = tuple(next(slots) if t is not None and t.requires_grad else None for t in surface)
 
     @staticmethod
-    def _record(fn, pool, emulate):
-        """Run fn once into buffers that every replay overwrites in place: (its outputs, replay)."""
-        if emulate:  # test double (CPU): rerun fn, copy into the first run's buffers, as a replay writes them
+    def _record(fn, pool, stream):
+        """Run fn once into buffers that every replay overwrites in place: (its outputs, replay). Forward and
+        backward are captured on one stream (the backward's nodes run on their forward's stream)."""
+        if stream is None:  # emulated (CPU test double): rerun fn, copy into the first run's buffers as a replay would
             out = fn()
 
             def replay():
@@ -95,7 +99,7 @@ class _Captured:
                     if o is not None:
                         o.detach().copy_(n)
             return out, replay
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
         # capture_begin rather than torch.cuda.graph(): that one empties the allocator's cache on every capture,
         # a cost every layer and shape would pay again.
@@ -122,7 +126,7 @@ class _Replay(torch.autograd.Function):
         captured.replay_forward()
         captured.generation += 1
         ctx.captured, ctx.generation = captured, captured.generation
-        ctx.leaves = tuple(t if t.is_leaf else None for t in (x, *params))  # (a leaf's first gradient: see backward)
+        ctx.leaves = tuple(t if t is not None and t.is_leaf else None for t in (x, *params))  # (a leaf's first gradient: see backward)
         captured.pending = weakref.ref(ctx)
         return captured.y.detach().clone()
 
@@ -144,10 +148,10 @@ class _Replay(torch.autograd.Function):
 
 
 class MLPGraphs:
-    """A layer's captured shapes. __call__(fn, x, params) returns fn(x), through a graph where it can.
+    """A layer's captured shapes. __call__(fn, x, params) returns fn(x, *params), through a graph where it can.
 
-    fn must read only x and the tensors in params (the layer's parameters), and launch the same work every call
-    for the same input shape. emulate: a CPU test double for CUDA graphs (buffers overwritten in place at
+    fn must compute from its arguments only (params: the layer's parameters, None for a missing bias), and launch
+    the same work every call for the same input shape. emulate: a CPU test double for CUDA graphs (buffers overwritten in place at
     every "replay"), so that the bookkeeping above can be tested without a GPU."""
 
     def __init__(self, emulate=False):
@@ -156,30 +160,30 @@ class MLPGraphs:
     def __call__(self, fn, x, params):
         global _failed
         if _failed:
-            return fn(x)
-        train = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+            return fn(x, *params)
+        train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))
         autocast = torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type)
         key = (tuple(x.shape), x.dtype, x.requires_grad, train, autocast,
-               tuple((p.data_ptr(), p.dtype, p.requires_grad) for p in params))
+               tuple(None if p is None else (p.data_ptr(), p.dtype, p.requires_grad) for p in params))
         captured = self.captured.get(key)
         if captured is None:
             if key not in self.seen or len(self.captured) >= MAX_SHAPES:
                 if len(self.seen) < 64:  # (shapes that never come back: sampling without a KV cache)
                     self.seen.add(key)
-                return fn(x)  # the first call: kernels compile and tune here, never inside a capture
+                return fn(x, *params)  # the first call: kernels compile and tune here, never inside a capture
             try:
                 captured = self.captured[key] = _Captured(fn, x, params, train, self.emulate)
             except Exception as e:  # an optional fast path: fall back, once, with one warning
                 _failed = True
                 warnings.warn(f"capturing the fused MLP in a CUDA graph failed ({type(e).__name__}: {e}); the "
                               "plain fused path runs from now on", stacklevel=2)
-                return fn(x)
+                return fn(x, *params)
         if not train:
             captured.x.copy_(x)
             captured.replay_forward()
             return captured.y.clone()
         if captured.busy():  # two forwards before one backward: the first one's buffers are still needed
-            return fn(x)
+            return fn(x, *params)
         return _Replay.apply(captured, x, *params)
 
     def __getstate__(self):  # (copy.deepcopy / pickling of a model: the graphs are not copied, they are recaptured)

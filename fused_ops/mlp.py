@@ -270,11 +270,26 @@ def fused_mlp_layers(x, c_fc, c_proj, activation, norm=None, fuse_ln=False):
     """The MLP of two nn.Linear layers, c_proj(act(c_fc(x))), through the kernels (model.MLP's fused path).
 
     norm: the block's LayerNorm, applied to x first, or with fuse_ln folded into the first matmul."""
-    ln = {}
-    if norm is not None and fuse_ln:
-        if not isinstance(norm, torch.nn.LayerNorm) or tuple(norm.normalized_shape) != (x.shape[-1],):
-            raise ValueError(f"fuse_ln folds an nn.LayerNorm over the last dim ({x.shape[-1]}); got {norm}")
-        ln = dict(ln_weight=norm.weight, ln_bias=norm.bias, ln_eps=norm.eps)
-    elif norm is not None:
-        x = norm(x)
-    return fused_mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, activation, **ln)
+    fn, tensors = layers_as_function(c_fc, c_proj, activation, norm, fuse_ln, x.shape[-1])
+    return fn(x, *tensors)
+
+
+def layers_as_function(c_fc, c_proj, activation, norm=None, fuse_ln=False, width=None):
+    """fused_mlp_layers as (fn, tensors): fn(x, *tensors) computes the MLP from the tensors it is given, the layers'
+    own or stand-ins sharing their memory (graphs.py captures it with such stand-ins, see there)."""
+    if fuse_ln and norm is not None and (not isinstance(norm, torch.nn.LayerNorm) or
+                                         tuple(norm.normalized_shape) != (width or c_fc.in_features,)):
+        raise ValueError(f"fuse_ln folds an nn.LayerNorm over the last dim ({width or c_fc.in_features}); got {norm}")
+    layer_norm = isinstance(norm, torch.nn.LayerNorm)
+    tensors = (c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, *((norm.weight, norm.bias) if layer_norm else ()))
+
+    def fn(x, w_fc, b_fc, w_proj, b_proj, ln_weight=None, ln_bias=None):
+        ln = {}
+        if norm is not None and fuse_ln:
+            ln = dict(ln_weight=ln_weight, ln_bias=ln_bias, ln_eps=norm.eps)
+        elif layer_norm:
+            x = torch.nn.functional.layer_norm(x, norm.normalized_shape, ln_weight, ln_bias, norm.eps)
+        elif norm is not None:  # another normalization: as its module computes it
+            x = norm(x)
+        return fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, **ln)
+    return fn, tensors
