@@ -64,8 +64,9 @@ def plot(out):
 
     fig = Figure(figsize=(9, 5))
     ax = fig.subplots()
+    fixed = os.path.exists(os.path.join(out, "fp8.jsonl"))  # (the stale-weight run only while no fixed one exists)
     for (name, color) in (("bf16", "tab:blue"), ("fp8", "tab:red"), ("fp8_stale_weights", "tab:orange")):
-        if not os.path.exists(os.path.join(out, f"{name}.jsonl")):
+        if not os.path.exists(os.path.join(out, f"{name}.jsonl")) or (fixed and name == "fp8_stale_weights"):
             continue
         rows = read(os.path.join(out, f"{name}.jsonl"))
         steps = [(r["iter"], r["loss"]) for r in rows if r["type"] == "step"]
