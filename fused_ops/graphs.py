@@ -33,6 +33,7 @@ What keeps it exact, and what it costs:
   runs. FUSED_OPS_GRAPHS=0 turns them off (to save memory, to compare, or to debug a kernel launch by launch).
 """
 
+import contextlib
 import os
 import warnings
 import weakref
@@ -175,7 +176,8 @@ class MLPGraphs:
                     self.seen.add(key)
                 return fn(x, *params)  # the first call: kernels compile and tune here, never inside a capture
             try:
-                captured = self.captured[key] = _Captured(fn, x, params, train, self.emulate)
+                with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (streams, pool: x's GPU)
+                    captured = self.captured[key] = _Captured(fn, x, params, train, self.emulate)
             except Exception as e:  # an optional fast path: fall back, once, with one warning
                 _failed = True
                 warnings.warn(f"capturing the fused MLP in a CUDA graph failed ({type(e).__name__}: {e}); the "

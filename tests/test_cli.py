@@ -219,7 +219,20 @@ def test_out_of_memory_says_what_to_lower(dataset, trained, tmp_path, monkeypatc
     for key in ("batch_size (now 8", "gradient_accumulation_steps, now 2", "block_size (now 32)", "n_layer",
                 "compile=True", f"{os.path.join(out, 'ckpt.pt')} is kept"):
         assert key in line, (key, line)
+    mlp = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["mlp"]
+    assert ("FUSED_OPS_GRAPHS=0" in line) == (mlp != "eager"), (mlp, line)  # the graphs' memory, where they run
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 4
+
+
+@pytest.mark.parametrize("mlp,compile,fp8,tip", [("fused", False, False, True), ("auto", False, False, True),
+                                                  ("eager", False, False, False), ("fused", True, False, False),
+                                                  ("fused", False, True, False)])
+def test_out_of_memory_names_the_mlp_graphs_where_they_run(tmp_path, mlp, compile, fp8, tip):
+    import stopping
+    cfg = dict(out_dir=str(tmp_path), compile=compile, mlp=mlp, fp8=fp8, batch_size=8, gradient_accumulation_steps=1,
+               block_size=64)
+    line = str(stopping.out_of_memory(cfg, "cuda", torch.OutOfMemoryError("CUDA out of memory.")))
+    assert ("FUSED_OPS_GRAPHS=0" in line) == tip, line
 
 
 @pytest.mark.gpu
