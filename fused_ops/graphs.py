@@ -130,7 +130,8 @@ class _Replay(torch.autograd.Function):
         captured.replay_forward()
         captured.generation += 1
         ctx.captured, ctx.generation = captured, captured.generation
-        ctx.leaves = tuple(t if t is not None and t.is_leaf else None for t in (x, *params))  # (a leaf's first gradient: see backward)
+        # leaves whose first gradient becomes their .grad (see backward)
+        ctx.leaves = tuple(t if t is not None and t.is_leaf else None for t in (x, *params))
         captured.pending = weakref.ref(ctx)
         return captured.y.detach().clone()
 
@@ -155,8 +156,8 @@ class MLPGraphs:
     """A layer's captured shapes. __call__(fn, x, params) returns fn(x, *params), through a graph where it can.
 
     fn must compute from its arguments only (params: the layer's parameters, None for a missing bias), and launch
-    the same work every call for the same input shape. emulate: a CPU test double for CUDA graphs (buffers overwritten in place at
-    every "replay"), so that the bookkeeping above can be tested without a GPU."""
+    the same work every call for the same input shape. emulate: a CPU test double for CUDA graphs (buffers
+    overwritten in place at every "replay"), so that the bookkeeping above can be tested without a GPU."""
 
     def __init__(self, emulate=False):
         self.emulate, self.captured, self.seen = emulate, {}, set()

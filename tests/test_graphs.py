@@ -30,7 +30,8 @@ def run_steps(mods, xs, graphed, accumulate=1, lr=0.1):
     c_fc, c_proj, ln = mods
     fn, params = layers_as_function(c_fc, c_proj, "gelu", ln)
     opt = torch.optim.SGD(params, lr=lr)
-    direction = torch.randn(xs[0].shape, generator=torch.Generator().manual_seed(1)).to(xs[0].device) / xs[0].numel() ** 0.5
+    direction = torch.randn(xs[0].shape, generator=torch.Generator().manual_seed(1)) / xs[0].numel() ** 0.5
+    direction = direction.to(xs[0].device)
     outs = []
     for i, x in enumerate(xs):
         x = x.clone().requires_grad_()
