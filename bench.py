@@ -14,7 +14,8 @@ backward and the AdamW update over gradient_accumulation_steps micro-batches. Re
 after warm-up, tokens/s, MFU against the GPU's peak bf16 rate, peak GPU memory of the timed steps (allocated, and
 reserved: CUDA graphs' private pools count only there). Writes JSON, CSV and a PNG bar chart to --out (default
 results/bench_<config>.*). --compile also takes a torch.compile mode: --compile=True,reduce-overhead.
---mlps=fp8 adds the fused MLP with FP8 GEMMs (fused_ops/fp8.py; uncompiled).
+--mlps=fp8 adds the fused MLP with FP8 GEMMs (fused_ops/fp8.py; uncompiled), --mlps=torchao the eager MLP through
+torchao's float8 training (where installed; compile it, as torchao advises: --compile=True).
 
 Variants run one after another by default, and the first of a process can run slower whatever it is (measured:
 results/bench_gpt2_124m_uncompiled_orders_h100.txt). --rounds=N builds them all first, then times them in N
@@ -61,7 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--vocab_size", type=int, default=None, help="default: 50304 for BPE configs, else 256")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
-    ap.add_argument("--mlps", default="eager,fused", help="of eager, fused, auto, fp8 (fused in FP8: without compile)")
+    ap.add_argument("--mlps", default="eager,fused",
+                    help="of eager, fused, auto, fp8 (fused in FP8: without compile), torchao (the eager MLP's Linears "
+                         "through torchao's float8 training, where torchao is installed)")
     ap.add_argument("--compile", default="False,True",
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
                          "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
@@ -117,8 +120,11 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     batches[i % len(batches)] that returns the last micro-batch's loss tensor (no synchronization)."""
     torch.manual_seed(0)
     fp8 = mlp == "fp8"  # the fused MLP with its GEMMs in FP8 (fused_ops/fp8.py; not compiled in this stage)
-    model = GPT(GPTConfig(mlp="fused" if fp8 else mlp, fp8=fp8, dropout=0.0, **model_args)).to(args.device)
+    kind = "fused" if fp8 else "eager" if mlp == "torchao" else mlp
+    model = GPT(GPTConfig(mlp=kind, fp8=fp8, dropout=0.0, **model_args)).to(args.device)
     model.load_state_dict(state)
+    if mlp == "torchao":
+        torchao_float8_mlps(model)
     opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), args.device.split(":")[0])
     step_model = torch.compile(model, mode=None if compiled is True else compiled) if compiled else model
     device_type = args.device.split(":")[0]
@@ -136,6 +142,16 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
         return loss
 
     return model, step
+
+
+def torchao_float8_mlps(model):
+    """The MLPs' two Linears swapped for torchao's Float8Linear (tensorwise scaling, its default recipe), in place:
+    the anchor for the FP8 fused MLP. Attention and the head stay bf16, as in --mlps=fp8."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        raise errors.RunError("--mlps=torchao needs torchao (pip install torchao); it is not installed") from None
+    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn.endswith(("mlp.c_fc", "mlp.c_proj")))
 
 
 def run_variant(model_args, state, mlp, compiled, batches, args, dtype):

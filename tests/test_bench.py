@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -108,3 +109,25 @@ def test_graphed_fwd_bwd_replays_the_same_gradients(mlp):
             torch.testing.assert_close(g, e)
         else:
             assert torch.equal(g, e)
+
+
+def test_torchao_variant_converts_the_mlp_linears_only(monkeypatch):
+    """--mlps=torchao hands torchao's converter a filter that takes the MLPs' two Linears and nothing else; without
+    torchao it is one error naming the package."""
+    import types
+
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(bench.errors.RunError, match="--mlps=torchao needs torchao"):
+        bench.torchao_float8_mlps(model)
+    taken = []
+
+    def convert_to_float8_training(module, module_filter_fn):
+        taken.extend(fqn for fqn, m in module.named_modules()
+                     if isinstance(m, torch.nn.Linear) and module_filter_fn(m, fqn))
+    monkeypatch.setitem(sys.modules, "torchao.float8", types.SimpleNamespace(
+        convert_to_float8_training=convert_to_float8_training))
+    bench.torchao_float8_mlps(model)
+    assert taken == [f"transformer.h.{i}.mlp.{name}" for i in range(2) for name in ("c_fc", "c_proj")]
