@@ -41,20 +41,21 @@ Special values: NaN stays NaN (e4m3 and e5m2 have NaN); ±inf becomes NaN (e4m3 
 saturated inf would hide a diverged run from train.py's loss check); finite values past the range
 saturate. Under no_grad (evaluation, sampling) the MLP runs the bf16 fused path.
 
+fp8_autograd.py runs all this as an autograd.Function, and inside torch.compile as two operators.
+
 Under the Triton interpreter (CPU tests), whose float -> FP8 conversion mis-rounds values that carry into
 the next binade and turns NaN into 384, the kernels encode FP8 by hand (_encode_fp8: round to nearest even
 in fp32, then the bit fields); on a GPU the hardware conversion (round to nearest even) does it.
 """
 
+import weakref
+
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .activations import activation, activation_grad, kernel_activations
-from .dgrad import linear_act_dgrad
-from .linear_act import linear_act_forward
 from .matmul import _capability, column_offsets, matmul_loop, needs_int64, tile_ids, tma_operands
 from .tuning import AUTOTUNE, INTERPRET, _config, cdiv, launch_matmul, matmul_configs, tuned_config
 
@@ -284,6 +285,7 @@ def fp8_dgrad_kernel(
 # ----------------------------------------------------------------------------------------------------------
 # the scales' state and the launchers
 
+_STATES = []  # weak references to every FP8State of the process, by number
 _optimizer_steps = 0  # optimizer steps taken in this process (torch.optim's global post-step hook counts them)
 
 
@@ -314,6 +316,10 @@ class FP8State(torch.nn.Module):
             self.register_buffer(name, value, persistent=False)
         self.calibrated = False
         self._weights = None  # (the parameters' identity and versions, their FP8 copies)
+        # Its number, which the compiled graph's operators carry to find it (fp8_autograd.py): creation order,
+        # so the same model gets the same numbers in every run (and compile's caches still match).
+        self.number = len(_STATES)
+        _STATES.append(weakref.ref(self))
 
     def _apply(self, fn, recurse=True):
         for name, t in self._buffers.items():  # model.to(device, dtype) moves them, never casts them (fp32 scales)
@@ -448,89 +454,3 @@ def fp8_dgrad(grad_y, w2, saved, activation, state, bias_grad):
     cfg = launch_matmul(fp8_dgrad_kernel, M, N, K, args, consts, False, grad_y.dtype, key, descriptors=descriptors,
                         configs=configs)
     return gz8, gzt8, (partial[: cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0) if bias_grad else None)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# autograd
-
-def _rows_and_transposed_copy(t, state, slot):
-    """t as rows (M, C) with a contiguous last dim, and its FP8 transposed copy (the calibrating call: at t's own
-    scale)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    if t2.stride(1) != 1:
-        t2 = t2.contiguous()
-    if not state.calibrated:
-        _set_current_scale(state, slot, t2)
-    return t2, cast_transpose(t2, state, slot)[1]
-
-
-class FP8MLPFunction(torch.autograd.Function):
-    """y = act(x @ W1ᵀ + b1) @ W2ᵀ + b2 with the FP8 GEMMs of the module docstring. x and the weights come in 16
-    bits (autocast's copies); the weights' FP8 copies (FP8State.weights) come beside them, not differentiated."""
-
-    @staticmethod
-    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv):
-        calibrate = not state.calibrated
-        x2, xt8 = _rows_and_transposed_copy(x, state, X)
-        if calibrate:  # current scaling through separate passes, once
-            h, saved = linear_act_forward(x2, w_fc, b_fc, activation, save=True)
-            _set_current_scale(state, H, h)
-            h8, ht8 = cast_transpose(h, state, H, row_major=True)
-        else:
-            h8, ht8, saved = fp8_linear_act(x2, w_fc, b_fc, activation, state)
-        inv = state.inv_scale.clone()  # the scales x and h were quantized with, whatever updates come before backward
-        y = torch._scaled_mm(h8, w_proj8.t(), scale_a=inv[H, :1], scale_b=w_proj_inv, bias=b_proj,
-                             out_dtype=x.dtype, use_fast_accum=True)
-        ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv)
-        ctx.activation, ctx.state, ctx.x_shape = activation, state, x.shape
-        ctx.has_bias = (b_fc is not None, b_proj is not None)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv = ctx.saved_tensors
-        state = ctx.state
-        calibrate = not state.calibrated
-        gy, gyt8 = _rows_and_transposed_copy(grad_y, state, GRAD_Y)
-        bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2]
-        if calibrate:
-            gz, grad_b_fc = linear_act_dgrad(gy, w_proj, saved, ctx.activation, bias_grad=bias_grad)
-            _set_current_scale(state, GRAD_Z, gz)
-            gz8, gzt8 = cast_transpose(gz, state, GRAD_Z, row_major=True)
-        else:
-            gz8, gzt8, grad_b_fc = fp8_dgrad(gy, w_proj, saved, ctx.activation, state, bias_grad)
-        del saved
-        inv_gy, inv_gz = state.inv_scale[GRAD_Y, :1], state.inv_scale[GRAD_Z, :1]
-        grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_proj.dtype)
-        grad_b_proj = gy.sum(0) if ctx.has_bias[1] and ctx.needs_input_grad[4] else None
-        grad_x = torch._scaled_mm(gz8, w_fc_t8.t(), scale_a=inv_gz, scale_b=w_fc_inv, out_dtype=gy.dtype)
-        grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_proj.dtype)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(state.amax, op=dist.ReduceOp.MAX)  # one set of scales for every process
-        update_scales(state)
-        state.calibrated = True
-        grad_b_fc = grad_b_fc.to(gy.dtype) if bias_grad else None
-        return (grad_x.view(ctx.x_shape), grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj) + (None,) * 6
-
-
-def fp8_mlp(x, c_fc, c_proj, activation, state):
-    """model.MLP's FP8 path: c_proj(act(c_fc(x))) with FP8 GEMMs while training (grad enabled); under no_grad
-    (evaluation, sampling) the bf16 fused path. x: (..., C), 16-bit or under autocast."""
-    from .mlp import _autocast, check_mlp_args, fused_mlp  # (mlp.py does not import this module)
-    w_fc, b_fc, w_proj, b_proj = c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias
-    if not torch.is_grad_enabled() or x.numel() == 0:
-        return fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation)
-    check_fp8_device(x.device)
-    if torch.compiler.is_compiling():
-        raise RuntimeError("fp8=True runs without torch.compile in this first stage: set compile=False")
-    weights = state.weights(w_fc, w_proj)  # from the parameters themselves (fp32 masters under autocast)
-    x, w_fc, b_fc, w_proj, b_proj = _autocast(x, w_fc, b_fc, w_proj, b_proj)
-    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation)
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"fp8=True needs 16-bit activations (train under autocast, dtype bfloat16 or float16, or "
-                        f"with a 16-bit model); x is {x.dtype}")
-    C, hidden = w_proj.shape
-    if C % 16 or hidden % 16:
-        raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({hidden}) to be multiples "
-                         "of 16 (FP8 GEMMs take K and N in multiples of 16)")
-    return FP8MLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, state, *weights)

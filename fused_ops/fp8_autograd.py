@@ -1,0 +1,201 @@
+"""The FP8 MLP's autograd: what runs it, outside torch.compile and inside (fp8.py has the recipe, the kernels and
+the scales' state).
+
+One computation, _forward and _backward below, reached two ways:
+- outside torch.compile, FP8MLPFunction, an autograd.Function over the two;
+- inside, two operators, fused_mlp::fp8_mlp_forward and fused_mlp::fp8_mlp_backward, each one opaque node in the
+  compiled graph (ops.py says why operators), the backward attached with torch.library.register_autograd.
+Both read and update host state the graph does not see: the layer's FP8State (an operator finds it by its
+number), its calibration flag and its weight copies, remade once per optimizer step. A CUDA graph replay would
+skip that host work, so the FP8 MLP compiles with torch.compile's default mode, never with reduce-overhead.
+The weight copies an operator returns for backward are copies of the cached ones (the compiler may reuse an
+operator's output buffers once it thinks them dead; the cache must outlive them).
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .activations import kernel_activations
+from .dgrad import linear_act_dgrad
+from .fp8 import (E4M3, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose, check_fp8_device,
+                  fp8_dgrad, fp8_linear_act, update_scales)
+from .linear_act import linear_act_forward
+from .ops import fused_op
+
+
+def _rows_and_transposed_copy(t, state, slot):
+    """t as rows (M, C) with a contiguous last dim, and its FP8 transposed copy (the calibrating call: at t's own
+    scale)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    if not state.calibrated:
+        _set_current_scale(state, slot, t2)
+    return t2, cast_transpose(t2, state, slot)[1]
+
+
+def _without_autocast(fn):
+    """Run fn with autocast off: the tensors come already cast, and _scaled_mm's rounding of y must not depend on
+    whether autocast is on around it (it is in FP8MLPFunction, not inside a compiled graph, which bakes the casts
+    in and runs with it off; on CPU the two differed by one fp16 step)."""
+    def run(*args):
+        with torch.autocast(args[0].device.type, enabled=False):
+            return fn(*args)
+    run.__doc__ = fn.__doc__
+    return run
+
+
+@_without_autocast
+def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_inv):
+    """(y (M, C), xᵀ in e4m3, hᵀ in e4m3, dh/dz, the 1/scales x and h were quantized with) for rows x (M, C)."""
+    calibrate = not state.calibrated
+    x2, xt8 = _rows_and_transposed_copy(x, state, X)
+    if calibrate:  # current scaling through separate passes, once
+        h, saved = linear_act_forward(x2, w_fc, b_fc, activation, save=True)
+        _set_current_scale(state, H, h)
+        h8, ht8 = cast_transpose(h, state, H, row_major=True)
+    else:
+        h8, ht8, saved = fp8_linear_act(x2, w_fc, b_fc, activation, state)
+    inv = state.inv_scale.clone()  # the scales x and h were quantized with, whatever updates come before backward
+    y = torch._scaled_mm(h8, w_proj8.t(), scale_a=inv[H, :1], scale_b=w_proj_inv, bias=b_proj,
+                         out_dtype=x.dtype, use_fast_accum=True)
+    return y, xt8, ht8, saved, inv
+
+
+@_without_autocast
+def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state, bias_grad, proj_bias_grad):
+    """(dx, dW1, db1 or None, dW2, db2 or None) for rows grad_y (M, C); then the scales move on (update_scales)."""
+    calibrate = not state.calibrated
+    gy, gyt8 = _rows_and_transposed_copy(grad_y, state, GRAD_Y)
+    if calibrate:
+        gz, grad_b_fc = linear_act_dgrad(gy, w_proj, saved, activation, bias_grad=bias_grad)
+        _set_current_scale(state, GRAD_Z, gz)
+        gz8, gzt8 = cast_transpose(gz, state, GRAD_Z, row_major=True)
+    else:
+        gz8, gzt8, grad_b_fc = fp8_dgrad(gy, w_proj, saved, activation, state, bias_grad)
+    del saved
+    inv_gy, inv_gz = state.inv_scale[GRAD_Y, :1], state.inv_scale[GRAD_Z, :1]
+    grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_proj.dtype)
+    grad_b_proj = gy.sum(0) if proj_bias_grad else None
+    grad_x = torch._scaled_mm(gz8, w_fc_t8.t(), scale_a=inv_gz, scale_b=w_fc_inv, out_dtype=gy.dtype)
+    grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_proj.dtype)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(state.amax, op=dist.ReduceOp.MAX)  # one set of scales for every process
+    update_scales(state)
+    state.calibrated = True
+    grad_b_fc = grad_b_fc.to(gy.dtype) if bias_grad else None
+    return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj
+
+
+class FP8MLPFunction(torch.autograd.Function):
+    """y = act(x @ W1ᵀ + b1) @ W2ᵀ + b2 with the FP8 GEMMs of fp8.py's docstring, outside torch.compile. x and the
+    weights come in 16 bits (autocast's copies); the weights' FP8 copies (FP8State.weights) come beside them, not
+    differentiated."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv):
+        y, xt8, ht8, saved, inv = _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_inv)
+        ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv)
+        ctx.activation, ctx.state, ctx.x_shape = activation, state, x.shape
+        ctx.has_bias = (b_fc is not None, b_proj is not None)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2]
+        grads = _backward(grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad,
+                          ctx.has_bias[1] and ctx.needs_input_grad[4])
+        return (grads[0].view(ctx.x_shape), *grads[1:]) + (None,) * 6
+
+
+def _state(number):
+    state = _STATES[number]()
+    if state is None:
+        raise RuntimeError(f"FP8State number {number} no longer exists (a compiled graph outlived its model)")
+    return state
+
+
+@fused_op("fp8_mlp_forward")
+def fp8_forward_op(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_proj: Optional[Tensor],
+                   master_fc: Tensor, master_proj: Tensor, activation: str,
+                   state: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, then what backward needs: xᵀ8, hᵀ8, dh/dz, the 1/scales, W1ᵀ8, its 1/scale) for rows x. master_fc /
+    master_proj: the parameters themselves, whose FP8 copies are made once per optimizer step."""
+    fp8_state = _state(state)
+    w_proj8, w_proj_inv, w_fc_t8, w_fc_inv = fp8_state.weights(master_fc, master_proj)
+    y, xt8, ht8, saved, inv = _forward(x, w_fc, b_fc, w_proj, b_proj, activation, fp8_state, w_proj8, w_proj_inv)
+    return y, xt8, ht8, saved, inv, w_fc_t8.clone(), w_fc_inv.clone()
+
+
+@fp8_forward_op.register_fake
+def _(x, w_fc, b_fc, w_proj, b_proj, master_fc, master_proj, activation, state):
+    (M, C), rows = x.shape, w_fc.shape[0]
+    hidden, Mp, f32 = w_proj.shape[1], _padded(x.shape[0]), torch.float32
+    return (x.new_empty(M, C), x.new_empty(C, Mp, dtype=E4M3), x.new_empty(hidden, Mp, dtype=E4M3),
+            x.new_empty(M, rows, dtype=w_fc.dtype), x.new_empty(4, 4, dtype=f32), x.new_empty(C, rows, dtype=E4M3),
+            x.new_empty(1, dtype=f32))
+
+
+@fused_op("fp8_mlp_backward")
+def fp8_backward_op(grad_y: Tensor, xt8: Tensor, ht8: Tensor, saved: Tensor, w_proj: Tensor, w_fc_t8: Tensor,
+                    w_fc_inv: Tensor, inv: Tensor, activation: str, state: int, bias_grad: bool,
+                    proj_bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dW1, db1, dW2, db2) for rows grad_y; a bias gradient not asked for comes back empty."""
+    grads = _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, _state(state), bias_grad,
+                      proj_bias_grad)
+    return tuple(grad_y.new_empty(0) if g is None else g for g in grads)
+
+
+@fp8_backward_op.register_fake
+def _(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state, bias_grad, proj_bias_grad):
+    (M, C), rows = grad_y.shape, saved.shape[1]
+    return (grad_y.new_empty(M, C), w_proj.new_empty(rows, C), grad_y.new_empty(rows if bias_grad else 0),
+            w_proj.new_empty(w_proj.shape), grad_y.new_empty(C if proj_bias_grad else 0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_fc, b_fc, w_proj, b_proj, master_fc, master_proj, activation, state = inputs
+    _, xt8, ht8, saved, inv, w_fc_t8, w_fc_inv = output
+    ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv)
+    ctx.activation, ctx.state, ctx.has_bias = activation, state, (b_fc is not None, b_proj is not None)
+
+
+def _op_backward(ctx, grad_y, *_):  # (no gradient flows into what the forward returned for backward)
+    bias_grad, proj_bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2], ctx.has_bias[1] and ctx.needs_input_grad[4]
+    grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj = fp8_backward_op.op(
+        grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad, proj_bias_grad)
+    return (grad_x, grad_w_fc, grad_b_fc if bias_grad else None, grad_w_proj, grad_b_proj if proj_bias_grad else None,
+            None, None, None, None)
+
+
+torch.library.register_autograd("fused_mlp::fp8_mlp_forward", _op_backward, setup_context=_setup_context)
+
+
+def fp8_mlp(x, c_fc, c_proj, activation, state):
+    """model.MLP's FP8 path: c_proj(act(c_fc(x))) with FP8 GEMMs while training (grad enabled); under no_grad
+    (evaluation, sampling) the bf16 fused path. x: (..., C), 16-bit or under autocast."""
+    from .mlp import _autocast, check_mlp_args, fused_mlp  # (mlp.py does not import this module)
+    w_fc, b_fc, w_proj, b_proj = c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias
+    if not torch.is_grad_enabled() or x.numel() == 0:
+        return fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # (train.py checks the device before it compiles)
+        check_fp8_device(x.device)
+    masters = (w_fc, w_proj)  # the parameters themselves (fp32 under autocast): their FP8 copies are cached
+    x, w_fc, b_fc, w_proj, b_proj = _autocast(x, w_fc, b_fc, w_proj, b_proj)
+    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation)
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"fp8=True needs 16-bit activations (train under autocast, dtype bfloat16 or float16, or "
+                        f"with a 16-bit model); x is {x.dtype}")
+    C, hidden = w_proj.shape
+    if C % 16 or hidden % 16:
+        raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({hidden}) to be multiples "
+                         "of 16 (FP8 GEMMs take K and N in multiples of 16)")
+    if compiling:
+        x2 = x.reshape(-1, C).contiguous()
+        y = fp8_forward_op(x2, w_fc, b_fc, w_proj, b_proj, *masters, activation, state.number)[0]
+        return y.view(*x.shape[:-1], C)
+    return FP8MLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, state, *state.weights(*masters))
