@@ -279,9 +279,10 @@ def test_config_fp8_is_opt_in_and_checked():
     settings.check({**train.DEFAULTS, "fp8": True, "mlp": "fused", "compile": True})
 
 
-def fp8_gpt_steps(compile, steps=4):
-    """A 2-layer GPT with the FP8 MLP, trained `steps` SGD steps under fp16 autocast (CPU; SGD: a parameter moves by
-    its gradient, where Adam would blow a rounding difference in a near-zero gradient up to the step size); its
+def fp8_gpt_steps(compile, steps=4, adam=False):
+    """A 2-layer GPT with the FP8 MLP, trained `steps` SGD (or AdamW) steps under fp16 autocast (CPU; SGD to compare
+    runs: a parameter moves by its gradient, where Adam blows a rounding difference in a near-zero gradient up to the
+    step size); its
     losses and parameters, and the model. compile: through torch.compile (fullgraph: no graph break; aot_eager: forward and
     backward traced through the operators' fake implementations, then run as traced)."""
     torch.manual_seed(0)
@@ -289,7 +290,7 @@ def fp8_gpt_steps(compile, steps=4):
                              dropout=0.0)
     gpt = model.GPT(config)
     run = torch.compile(gpt, backend="aot_eager", fullgraph=True) if compile else gpt
-    opt = torch.optim.SGD(gpt.parameters(), lr=0.3)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3) if adam else torch.optim.SGD(gpt.parameters(), lr=0.3)
     idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))  # one batch, learned
     losses = []
     for _ in range(steps):
@@ -316,20 +317,9 @@ def test_fp8_gpt_compiles_fullgraph_and_trains_as_uncompiled():
 
 
 def test_gpt_trains_with_fp8_and_its_weights_load_without_it():
-    torch.manual_seed(0)
-    config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True)
-    gpt = model.GPT(config)
+    losses, _, gpt = fp8_gpt_steps(compile=False, steps=8, adam=True)
+    config = gpt.config
     assert all(not k.startswith("fp8") and ".fp8." not in k for k in gpt.state_dict())  # scales are not weights
-    opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
-    idx = torch.randint(0, 64, (4, 16))
-    losses = []
-    for _ in range(8):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = gpt(idx, idx)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
     assert all(block.mlp.fp8.calibrated for block in gpt.transformer.h)
     scales = [block.mlp.fp8.scale.clone() for block in gpt.transformer.h]
