@@ -321,6 +321,11 @@ class FP8State(torch.nn.Module):
         self.number = len(_STATES)
         _STATES.append(weakref.ref(self))
 
+    def __setstate__(self, state):  # a deep copy or an unpickled one is a state of its own, with its own number
+        super().__setstate__(state)
+        self.number = len(_STATES)
+        _STATES.append(weakref.ref(self))
+
     def _apply(self, fn, recurse=True):
         for name, t in self._buffers.items():  # model.to(device, dtype) moves them, never casts them (fp32 scales)
             self._buffers[name] = t.to(fn(t).device)

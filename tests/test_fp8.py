@@ -316,6 +316,17 @@ def test_fp8_gpt_compiles_fullgraph_and_trains_as_uncompiled():
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
 
 
+def test_a_copied_model_has_fp8_states_of_its_own():
+    """The compiled operators find a layer's FP8State by its number: a deep copy (or an unpickled model) must get
+    new numbers, or its steps would update the original's scales."""
+    import copy
+    import pickle
+    gpt = model.GPT(model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True))
+    for other in (copy.deepcopy(gpt), pickle.loads(pickle.dumps(gpt))):
+        for a, b in zip(gpt.transformer.h, other.transformer.h):
+            assert a.mlp.fp8.number != b.mlp.fp8.number and fp8._STATES[b.mlp.fp8.number]() is b.mlp.fp8
+
+
 def test_gpt_trains_with_fp8_and_its_weights_load_without_it():
     losses, _, gpt = fp8_gpt_steps(compile=False, steps=8, adam=True)
     config = gpt.config
