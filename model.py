@@ -157,7 +157,7 @@ class MLP(nn.Module):
             return self.dropout(y)
         if self.kind == "fused" or (self.kind == "auto" and fused_ops.kernels_can_run(x)):
             fused, tensors = fused_ops.layers_as_function(self.c_fc, self.c_proj, self.activation, norm, self.fuse_ln)
-            if self.graphs is not None and fused_ops.graphs_usable(x):
+            if self.graphs is not None and fused_ops.graphs_usable(x) and (norm is None or type(norm) is nn.LayerNorm):
                 return self.dropout(self.graphs(fused, x, tensors))
             return self.dropout(fused(x, *tensors))
         h = self.c_fc(x if norm is None else norm(x))

@@ -22,9 +22,12 @@ What keeps it exact, and what it costs:
   forward before the first one's backward (two forwards, then two backwards) runs the plain path instead of
   overwriting what the first backward will read. A backward whose forward buffers were overwritten anyway (a
   retain_graph backward after a later forward) raises instead of returning wrong gradients.
-- A parameter gradient is cloned when it would become the parameter's .grad (autograd keeps the first gradient
-  of a leaf without copying it, and the next replay would overwrite it); gradients added into an existing .grad
-  are not.
+- x's gradient is cloned (it may outlive the backward: autograd.grad, a hook, the residual stream's sum), and a
+  parameter's when it would become the parameter's .grad (autograd keeps a leaf's first gradient without copying
+  it); gradients added into an existing .grad are not. A second backward through one forward (retain_graph) and
+  a parameter changed in place between forward and backward raise, where the plain path would not or would too.
+- Not captured: inference mode; torch.utils.checkpoint with graphs is not supported (its recompute would take
+  the plain path and save different tensors: FUSED_OPS_GRAPHS=0).
 - Memory: each captured shape holds its layer's buffers (x, y, grad_y, the saved activations, the gradients and
   the backward's temporaries) for the rest of the run, where the plain path frees them after backward: GPT-2
   small at 12x1024 tokens reserved 6 GiB more (results/graphs_gpt2_124m_h100.txt). At most MAX_SHAPES shapes
@@ -46,9 +49,10 @@ _failed = False  # set by a failed capture: the plain path from then on
 
 
 def graphs_usable(x):
-    """Whether the graphs may run here: CUDA tensors, outside torch.compile and outside someone else's capture."""
+    """Whether the graphs may run here: CUDA tensors, outside torch.compile, inference mode (its tensors cannot be
+    copied into later) and someone else's capture."""
     return (ENABLED and not _failed and x.is_cuda and not torch.compiler.is_compiling()
-            and not torch.cuda.is_current_stream_capturing())
+            and not torch.is_inference_mode_enabled() and not torch.cuda.is_current_stream_capturing())
 
 
 class _Captured:
@@ -57,6 +61,7 @@ class _Captured:
     def __init__(self, fn, x, params, train, emulate):
         self.params, self.train, self.emulate = params, train, emulate
         self.generation = 0  # forwards replayed so far: a backward checks that its forward's buffers are intact
+        self.backward_of = 0  # the generation whose backward last ran
         self.pending = None  # weakref to the autograd node of a forward whose backward has not run
         # Fresh leaves: x's static copy, and stand-ins sharing the parameters' memory (a replay reads the current
         # weights). The parameters' own gradient accumulators may belong to another stream (the default one, from
@@ -132,22 +137,30 @@ class _Replay(torch.autograd.Function):
         ctx.captured, ctx.generation = captured, captured.generation
         # leaves whose first gradient becomes their .grad (see backward)
         ctx.leaves = tuple(t if t is not None and t.is_leaf else None for t in (x, *params))
+        ctx.versions = tuple(None if p is None else p._version for p in params)
         captured.pending = weakref.ref(ctx)
         return captured.y.detach().clone()
 
     @staticmethod
     def backward(ctx, grad_y):
         captured = ctx.captured
-        if ctx.generation != captured.generation:
-            raise RuntimeError("the fused MLP's CUDA graph ran a later forward before this backward and overwrote "
-                               "what it saved (a retain_graph backward?): set FUSED_OPS_GRAPHS=0 for such a run")
+        if ctx.generation != captured.generation or captured.backward_of == ctx.generation:
+            # (the backward's capture frees what forward saved as it goes, so a replay needs a fresh forward)
+            raise RuntimeError("the fused MLP's CUDA graph cannot run a backward twice through one forward, or after "
+                               "a later forward (retain_graph?): set FUSED_OPS_GRAPHS=0 for such a run")
+        if any(p is not None and p._version != v for p, v in zip(captured.params, ctx.versions)):
+            raise RuntimeError("a parameter of the fused MLP was modified in place between its forward and its "
+                               "backward (the gradient would mix old activations with new weights)")
         captured.grad_y.detach().copy_(grad_y)
         captured.replay_backward()
-        captured.pending = None
+        captured.pending, captured.backward_of = None, ctx.generation
         out = []
-        for t, g in zip(ctx.leaves, captured.grads):
-            if g is not None and t is not None and t.grad is None:
-                g = g.clone()  # it becomes t.grad as it is: the next replay must not write into it
+        for i, (t, g) in enumerate(zip(ctx.leaves, captured.grads)):
+            # The next replay writes into g: copy it wherever it may outlive this backward: x's gradient (returned
+            # by autograd.grad, kept by a hook, or summed in place into the residual stream's), and a leaf's first
+            # gradient (autograd keeps it as that leaf's .grad); a gradient added into an existing .grad is not.
+            if g is not None and (i == 0 or (t is not None and t.grad is None)):
+                g = g.clone()
             out.append(None if g is None else g.detach())
         return (None, *out)
 
@@ -164,7 +177,7 @@ class MLPGraphs:
 
     def __call__(self, fn, x, params):
         global _failed
-        if _failed:
+        if _failed or torch.is_inference_mode_enabled():
             return fn(x, *params)
         train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))
         autocast = torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type)
@@ -176,6 +189,8 @@ class MLPGraphs:
                 if len(self.seen) < 64:  # (shapes that never come back: sampling without a KV cache)
                     self.seen.add(key)
                 return fn(x, *params)  # the first call: kernels compile and tune here, never inside a capture
+            for old in [k for k in self.captured if k[-1] != key[-1]]:  # parameters replaced: free their graphs
+                del self.captured[old]
             try:
                 with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (streams, pool: x's GPU)
                     captured = self.captured[key] = _Captured(fn, x, params, train, self.emulate)

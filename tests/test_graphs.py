@@ -99,8 +99,56 @@ def test_a_backward_after_a_later_forward_raises():
     y = call(torch.randn(4, 16, requires_grad=True))
     y.sum().backward(retain_graph=True)
     call(torch.randn(4, 16, requires_grad=True)).sum().backward()
-    with pytest.raises(RuntimeError, match="overwrote"):
+    with pytest.raises(RuntimeError, match="after a later forward"):
         y.sum().backward()
+
+
+def test_a_second_backward_through_one_forward_raises():
+    """retain_graph: the captured backward frees the forward's saved tensors as it goes, so it cannot run twice."""
+    g, _, _, call = graphed_layer()
+    for _ in range(2):
+        call(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    y = call(torch.randn(4, 16, requires_grad=True)).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward twice"):
+        y.backward()
+
+
+def test_input_gradients_are_not_overwritten_by_later_backwards():
+    """torch.autograd.grad with respect to a non-leaf input: each result stays what it was."""
+    g, mods, params, call = graphed_layer()
+    results = []
+    for _ in range(4):
+        h = torch.randn(3, 16, requires_grad=True) * 1.0  # a non-leaf input
+        results.append((h.detach(), torch.autograd.grad(call(h).square().sum(), h)[0]))
+    assert len(g.captured) == 1
+    for h, grad in results:
+        h = h.clone().requires_grad_()
+        ref = torch.autograd.grad(fused_mlp_layers(h, mods[0], mods[1], "gelu", mods[2]).square().sum(), h)[0]
+        torch.testing.assert_close(grad, ref)
+
+
+def test_a_parameter_changed_between_forward_and_backward_raises():
+    g, mods, params, call = graphed_layer()
+    for _ in range(2):
+        call(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    y = call(torch.randn(4, 16, requires_grad=True)).sum()
+    with torch.no_grad():
+        mods[0].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.backward()
+
+
+def test_inference_mode_runs_the_plain_path():
+    g, *_, call = graphed_layer()
+    with torch.inference_mode():
+        for _ in range(3):
+            call(torch.randn(2, 16))
+    assert g.captured == {}
+    with torch.no_grad():
+        for _ in range(3):
+            call(torch.randn(2, 16))
+    assert len(g.captured) == 1
 
 
 def test_outputs_are_not_overwritten_by_later_calls():
@@ -122,7 +170,8 @@ def test_outputs_are_not_overwritten_by_later_calls():
 
 
 def test_new_parameters_and_shapes_get_their_own_graphs(monkeypatch):
-    """A parameter replaced (a new storage) is never read through an old graph; past MAX_SHAPES the plain path runs."""
+    """A parameter replaced (a new storage) is never read through an old graph, whose capture is dropped; past
+    MAX_SHAPES the plain path runs."""
     monkeypatch.setattr(graphs, "MAX_SHAPES", 2)
     g, mods, params, call = graphed_layer()
     x = torch.randn(2, 16)
@@ -134,7 +183,7 @@ def test_new_parameters_and_shapes_get_their_own_graphs(monkeypatch):
         ref = fused_mlp_layers(x, mods[0], mods[1], "gelu", mods[2])
         torch.testing.assert_close(y, ref)
         call(x)
-        assert len(g.captured) == 2
+        assert len(g.captured) == 1  # the old parameters' graphs are freed with them
         for rows in (3, 3, 5, 5):
             call(torch.randn(rows, 16))
         assert len(g.captured) == 2
