@@ -59,7 +59,7 @@ class _Captured:
     """One shape's graphs: the static input, outputs and gradients, and the replay functions."""
 
     def __init__(self, fn, x, params, train, emulate):
-        self.params, self.train, self.emulate = params, train, emulate
+        self.params = params
         self.generation = 0  # forwards replayed so far: a backward checks that its forward's buffers are intact
         self.backward_of = 0  # the generation whose backward last ran
         self.pending = None  # weakref to the autograd node of a forward whose backward has not run

@@ -151,6 +151,29 @@ def test_inference_mode_runs_the_plain_path():
     assert len(g.captured) == 1
 
 
+def test_nan_and_inf_rows_come_out_as_on_the_plain_path():
+    """A replay runs the plain path's kernels: rows with NaN, +inf and -inf give the same output and gradients,
+    non-finite where the plain path's are (that path is checked against the math in test_fused_ops.py)."""
+    g, mods, params, call = graphed_layer()
+    x = torch.randn(6, 16)
+    x[1, 3], x[3, 0], x[4, 7] = float("nan"), float("inf"), float("-inf")
+    runs = []
+    for graphed in (False, True, True, True):  # plain, then the first sight, the capture and a replay
+        h = x.clone().requires_grad_()
+        y = call(h) if graphed else fused_mlp_layers(h, mods[0], mods[1], "gelu", mods[2])
+        y.sum().backward()
+        runs.append((y.detach(), h.grad, [p.grad.clone() for p in params]))
+        for p in params:
+            p.grad = None
+    assert len(g.captured) == 1
+    (y0, gx0, gp0), (y1, gx1, gp1) = runs[0], runs[-1]
+    assert not y0.isfinite().all()
+    torch.testing.assert_close(y1, y0, equal_nan=True)
+    torch.testing.assert_close(gx1, gx0, equal_nan=True)
+    for a, b in zip(gp1, gp0):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
 def test_outputs_are_not_overwritten_by_later_calls():
     """Under no_grad (evaluation, sampling) and with grad: y handed out stays what it was."""
     g, *_, call = graphed_layer()
