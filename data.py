@@ -161,11 +161,11 @@ def load_meta(data_dir):
     with open(os.path.join(data_dir, "meta.json"), encoding="utf-8") as f:
         return json.load(f)
 
-def load_tokens(data_dir, split):
-    """Token ids of a split as a read-only memmap (nothing is loaded into RAM)."""
+def load_tokens(data_dir, split, dtype=None):
+    """Token ids of a split as a read-only memmap (nothing is loaded into RAM); dtype: meta.json's, if known."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    dtype = load_meta(data_dir)["dtype"]
+    dtype = dtype or load_meta(data_dir)["dtype"]
     return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=dtype, mode="r")
 
 class Batches:
@@ -178,8 +178,9 @@ class Batches:
         self.data_dir, self.batch_size, self.block_size, self.device = data_dir, batch_size, block_size, device
         self.gen = torch.Generator().manual_seed(seed)
         self.pending, self.state_before_pending = None, None  # the prefetched training batch
+        self.dtype = load_meta(data_dir)["dtype"]  # read once: a batch is drawn every step, and 400 per eval
         for split in ("train", "val"):
-            n = len(load_tokens(data_dir, split))
+            n = len(load_tokens(data_dir, split, self.dtype))
             if n <= block_size:
                 raise errors.UsageError(f"the {split} split of {data_dir} has {n} tokens; "
                                         f"block_size={block_size} needs more")
@@ -207,14 +208,15 @@ class Batches:
     def get(self, split, gen=None):
         import torch
         # A fresh memmap per batch, as in nanoGPT: a long-lived one keeps pages referenced and memory grows.
-        tokens = load_tokens(self.data_dir, split)
+        tokens = load_tokens(self.data_dir, split, self.dtype)
         starts = torch.randint(len(tokens) - self.block_size, (self.batch_size,), generator=gen or self.gen)
-        windows = tokens[starts.numpy()[:, None] + np.arange(self.block_size + 1)].astype(np.int64)
-        xy = torch.from_numpy(windows)
-        x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
-        if self.device.startswith("cuda"):  # pinned + non_blocking: the copy overlaps the GPU's work
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+        windows = torch.from_numpy(tokens[starts.numpy()[:, None] + np.arange(self.block_size + 1)].astype(np.int64))
+        # x and y side by side in one buffer: one (pinned) host buffer and one copy per batch, not two
+        cuda = self.device.startswith("cuda")
+        xy = torch.empty((2, self.batch_size, self.block_size), dtype=torch.int64, pin_memory=cuda)
+        xy[0], xy[1] = windows[:, :-1], windows[:, 1:]
+        xy = xy.to(self.device, non_blocking=cuda)  # pinned + non_blocking: the copy overlaps the GPU's work
+        return xy[0], xy[1]
 
 if __name__ == "__main__":  # the command moved: say where, rather than do nothing
     print("data.py: error: preparing a dataset moved to prepare.py (same flags): python prepare.py --help",

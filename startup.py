@@ -1,6 +1,6 @@
 """
 Where a training run's start-up time goes, printed once (issue: a faster step can still lose on the clock a
-user watches, if start-up eats the gain).
+user watches, if start-up eats the gain); and at the run's end, where all of its time went.
 
 A run pays before its steps reach their steady speed: reading or preparing the data, building the model, then
 the first steps, which also compile (torch.compile, the fused MLP's Triton kernels), tune the kernels' tiles
@@ -26,6 +26,7 @@ class Startup:
         self.seconds = {}  # phase -> seconds (data, model, first steps, evals...); what train.main returns
         self.step_times, self.evals, self.reported = [], [], False
         self.before_steps = {}  # compile and tuning seconds spent before the first step (the first eval's)
+        self.checkpoints = 0  # checkpoints written (their seconds: phase "checkpoints")
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -71,6 +72,24 @@ class Startup:
               f"{self.seconds.get('data', 0):.1f} s, model {self.seconds.get('model', 0):.1f} s; first {len(warm)} steps "
               f"{sum(warm):.1f} s ({inside}); "
               f"then {steady * 1000:.1f} ms a step{evals}")  # (through tqdm: a live progress bar stays whole)
+
+
+    def summary(self):
+        """Where the whole run's time went, printed once at its end: the phases, the steps, evaluations and
+        checkpoints, and the rest (the loop's own bookkeeping). Returns the seconds by part."""
+        total = time.perf_counter() - self.t0
+        parts = {"data": self.seconds.get("data", 0.0), "model": self.seconds.get("model", 0.0),
+                 "steps": sum(self.step_times), "evals": sum(self.evals),
+                 "checkpoints": self.seconds.get("checkpoints", 0.0)}
+        parts["the rest"] = max(total - sum(parts.values()), 0.0)
+        if self.master:
+            median = f" (median {statistics.median(self.step_times) * 1000:.1f} ms)" if self.step_times else ""
+            tqdm.write(f"run {total:.1f} s: data {parts['data']:.1f} s, model {parts['model']:.1f} s, "
+                       f"{len(self.step_times)} steps {parts['steps']:.1f} s{median}, {len(self.evals)} evals "
+                       f"{parts['evals']:.1f} s, {self.checkpoints} checkpoints {parts['checkpoints']:.1f} s, the rest "
+                       f"{parts['the rest']:.1f} s")
+        self.seconds["run"] = total
+        return parts
 
 
 def lazy_work():

@@ -163,16 +163,18 @@ def train(cfg, ckpt, argv, device, rank, world):
 
     def save(evaluated):
         """A checkpoint of this moment: before iteration iter_num's step, with every process's random states."""
-        states = checkpoint.rng_states(batches.state, device_type, world)
-        if master:
-            checkpoint.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-                             "model_args": model_args, "config": cfg, "meta": meta, "iter_num": progress.iter_num,
-                             "best_val_loss": progress.best_val, "rng": states, "evaluated": evaluated},
-                            checkpoint.path(cfg["out_dir"]))
-        progress.last_saved, progress.saved_by_eval = progress.iter_num, evaluated
-        if evaluated:
-            checkpoint.keep_best(cfg, master)
+        with startup.phase("checkpoints"):
+            states = checkpoint.rng_states(batches.state, device_type, world)
+            if master:
+                checkpoint.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                                 "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+                                 "model_args": model_args, "config": cfg, "meta": meta, "iter_num": progress.iter_num,
+                                 "best_val_loss": progress.best_val, "rng": states, "evaluated": evaluated},
+                                checkpoint.path(cfg["out_dir"]))
+            progress.last_saved, progress.saved_by_eval = progress.iter_num, evaluated
+            if evaluated:
+                checkpoint.keep_best(cfg, master)
+        startup.checkpoints += 1
 
     # the loop (wandb, when on, is closed however it ends)
     bar = tqdm(total=cfg["max_iters"], initial=progress.iter_num, dynamic_ncols=True,
@@ -220,8 +222,9 @@ def train(cfg, ckpt, argv, device, rank, world):
             progress.iter_num += 1
             local_iter += 1
 
+    startup.report()
+    startup.summary()
     if master:
-        startup.report()
         if cfg["plot"]:
             plot_losses(log.path, os.path.join(cfg["out_dir"], "loss.png"))
         if cfg["sample_after"]:
@@ -357,20 +360,24 @@ def new_step(cfg):
 
 def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
     """One optimizer step of `accum` micro-steps (gradients synced across processes on the last only); returns
-    the loss, averaged over processes. Its one host sync lets a NaN stop the run before it reaches the weights."""
+    the loss, averaged over processes. Its one host sync (reading the loss: it waits for the forward only) lets a
+    NaN stop the run before it reaches the weights."""
     loss_sum = 0.0
     for micro in range(accum):
-        sync = model.no_sync() if world > 1 and micro < accum - 1 else contextlib.nullcontext()
-        with sync:
+        last = micro == accum - 1
+        with model.no_sync() if world > 1 and not last else contextlib.nullcontext():
             new_step(cfg)
             x, y = batches.next()
             with autocast:
                 loss = model(x, y)[1] / accum
+            # Summed (and averaged over processes) before the backward is queued, so that reading the loss below
+            # waits for the forward only: the GPU runs the backward while the host queues the optimizer step
+            # and the next forward, instead of idling between steps.
+            loss_sum += loss.detach()
+            if last and world > 1:
+                dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
             batches.prefetch()  # the next batch is drawn while the GPU runs this forward: its copy overlaps it
             scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-    if world > 1:
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
     lossf = float(loss_sum)
     if math.isfinite(lossf):
         if cfg["grad_clip"] > 0:

@@ -29,6 +29,13 @@ def test_train_prints_where_start_up_went(dataset, tmp_path, capsys):
     assert "compile" not in s  # nothing was compiled (compile=False)
     evals = re.findall(r"iter (\d+): train loss \d\.\d{4}, val loss \d\.\d{4} \((\d+\.\d\d) s\)", out)
     assert [int(i) for i, _ in evals] == [0, 6, 12] and all(float(t) > 0 for _, t in evals)
+    # and once at the end, the whole run: its parts add up to its time (the rest is the loop's bookkeeping)
+    runs = re.findall(r"^run (\d+\.\d) s: data \d+\.\d s, model \d+\.\d s, 12 steps (\d+\.\d) s \(median "
+                      r"\d+\.\d ms\), 3 evals (\d+\.\d) s, (\d+) checkpoints (\d+\.\d) s, the rest (\d+\.\d) s$", out, re.M)
+    assert len(runs) == 1, out
+    total, steps, evals_s, n_ckpt, ckpt_s, rest = map(float, runs[0])
+    assert n_ckpt == 3 and steps > 0  # always_save_checkpoint: one per eval
+    assert total >= s["to first step"] and abs(s["data"] + s["model"] + steps + evals_s + ckpt_s + rest - total) < 0.5
 
 
 def test_a_short_run_reports_at_its_end(capsys):

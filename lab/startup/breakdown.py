@@ -35,7 +35,7 @@ def run(mlp, caches, max_iters, extra):
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{mlp}: {proc.stderr[-3000:]}")
-    startup = next((l for l in proc.stdout.splitlines() if l.startswith("start-up")), "")
+    startup = "\n  ".join(l for l in proc.stdout.splitlines() if l.startswith(("start-up", "run ")))
     matches = re.findall(r"^iter (\d+): loss [\d.]+, ([\d.]+) ms", proc.stdout, re.M)
     steps = [float(ms) for it, ms in matches if int(it) >= min(100, max_iters // 2)]
     evals = re.findall(r"val loss [\d.]+ \(([\d.]+) s\)", proc.stdout)
