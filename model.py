@@ -308,6 +308,17 @@ class GPT(nn.Module):
 
         hf_gpt2.save_pretrained(self, folder, meta)
 
+    def precompile_kernels(self, tokens, autocast_dtype, device):
+        """Start compiling the fused MLP's kernels for batches of `tokens` rows, in a child process, so that a cold
+        Triton cache costs the run less start-up (fused_ops/precompile.py). None where there is nothing to compile."""
+        block = self.transformer.h[0]  # every block's MLP has the same shapes
+        mlp = block.mlp
+        if mlp.kind == "eager" or mlp.fp8 is not None or not str(device).startswith("cuda"):
+            return None
+        from fused_ops import precompile
+        spec = precompile.mlp_spec(mlp.c_fc, mlp.c_proj, mlp.activation, block.ln_2, mlp.fuse_ln, tokens, autocast_dtype)
+        return precompile.start(spec, device)
+
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         # Decay matrices and embeddings; never biases or LayerNorm gains (the 1-D parameters).
         params = [p for p in self.parameters() if p.requires_grad]
