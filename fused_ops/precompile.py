@@ -87,7 +87,7 @@ def compile_kernels(spec, device):
 def main(spec_json, device):
     """The child: compile, then wait for the GPU (an error exits non-zero; nobody reads it but a test)."""
     spec = json.loads(spec_json)
-    if device.startswith("cuda"):
+    if torch.device(device).index is not None:  # ("cuda" alone: the current device, as in the parent)
         torch.cuda.set_device(device)
     compile_kernels(spec, device)
     if device.startswith("cuda"):
