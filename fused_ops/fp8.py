@@ -57,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .activations import activation, activation_grad, kernel_activations
 from .matmul import _capability, column_offsets, matmul_loop, needs_int64, tile_ids, tma_operands
-from .tuning import AUTOTUNE, INTERPRET, _config, cdiv, launch_matmul, matmul_configs, tuned_config
+from .tuning import AUTOTUNE, INTERPRET, _config, cdiv, launch, launch_matmul, matmul_configs, tuned_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -372,8 +372,8 @@ def _set_current_scale(state, slot, t):
 
 def update_scales(state):
     """After a backward: every slot's amax into its history, the next scales from the histories."""
-    update_scales_kernel[(4,)](state.history, state.position, state.amax, state.scale, state.inv_scale, state.fp8_max,
-                               HISTORY=state.history.shape[1], num_warps=1)
+    launch(update_scales_kernel, (4,), (state.history, state.position, state.amax, state.scale, state.inv_scale,
+                                        state.fp8_max), dict(HISTORY=state.history.shape[1]), num_warps=1)
 
 
 def _padded(m):
@@ -387,9 +387,9 @@ def cast_transpose(x2, state, slot, row_major=False):
     qt = torch.empty((C, Mp), device=x2.device, dtype=SLOT_DTYPES[slot])
     q = torch.empty((M, C), device=x2.device, dtype=qt.dtype) if row_major else qt
     block = 32 if INTERPRET else 64
-    cast_transpose_kernel[(cdiv(Mp, block), cdiv(C, block))](
-        x2, q, qt, state.scale[slot:], state.amax[slot:], M, C, Mp, x2.stride(0), ROW_MAJOR=row_major,
-        EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=block, BLOCK_C=block)
+    launch(cast_transpose_kernel, (cdiv(Mp, block), cdiv(C, block)),
+           (x2, q, qt, state.scale[slot:], state.amax[slot:], M, C, Mp, x2.stride(0)),
+           dict(ROW_MAJOR=row_major, EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=block, BLOCK_C=block))
     return (q if row_major else None), qt
 
 
@@ -399,9 +399,9 @@ def transpose_fp8(q, Mp, state):
     M, N = q.shape
     qt = torch.empty((N, Mp), device=q.device, dtype=q.dtype)
     block = 32 if INTERPRET else 64
-    cast_transpose_kernel[(cdiv(Mp, block), cdiv(N, block))](
-        q, qt, qt, state.unit, state.unit[1:], M, N, Mp, q.stride(0), ROW_MAJOR=False, EMULATE=INTERPRET,
-        INT64=needs_int64(q, qt), BLOCK_M=block, BLOCK_C=block)
+    launch(cast_transpose_kernel, (cdiv(Mp, block), cdiv(N, block)),
+           (q, qt, qt, state.unit, state.unit[1:], M, N, Mp, q.stride(0)),
+           dict(ROW_MAJOR=False, EMULATE=INTERPRET, INT64=needs_int64(q, qt), BLOCK_M=block, BLOCK_C=block))
     return qt
 
 

@@ -169,9 +169,10 @@ class LaunchPlan:
     (compiling if needed) and is then kept.
     """
 
-    def __init__(self, kernel, cfg, consts, K):
+    def __init__(self, kernel, cfg, consts, K=None):
+        """K None: consts are already every constexpr the kernel takes (a kernel that is not a tiled matmul)."""
         self.kernel, self.cfg = kernel, cfg
-        self.consts = _constexprs(consts, cfg, K)
+        self.consts = consts if K is None else _constexprs(consts, cfg, K)
         self.compiled = {}
         # Direct launches use the compiled kernel's runner (CompiledKernel[grid], Triton 3.x), which takes
         # every parameter in order: ours put the runtime arguments first, then exactly these constexprs.
@@ -181,8 +182,10 @@ class LaunchPlan:
         self.const_values = [self.consts[n] for n in tail] if self.direct else None
 
     def launch(self, M, N, args, descriptors=()):
+        self.launch_grid(*_grid_and_args(self.cfg, M, N, args, descriptors))
+
+    def launch_grid(self, grid, args):
         spec = _specialization(args) if self.direct else None
-        grid, args = _grid_and_args(self.cfg, M, N, args, descriptors)
         if self.direct:
             compiled = self.compiled.get(spec)
             if compiled is not None:
@@ -194,6 +197,16 @@ class LaunchPlan:
             self.direct = False  # not a kernel whose parameters are these runtime arguments and constexprs
         if self.direct:
             self.compiled[spec] = compiled
+
+
+def launch(kernel, grid, args, consts, num_warps=4):
+    """Launch a kernel that is not tuned (one config: its constexprs and warps) through a kept LaunchPlan, so that
+    after its first call it costs a dict lookup and the compiled kernel's call, not Triton's JIT launch."""
+    key = (kernel, num_warps, *consts.items())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = LaunchPlan(kernel, triton.Config({}, num_warps=num_warps, num_stages=3), consts)
+    plan.launch_grid((*grid, 1, 1)[:3], args)  # (a compiled kernel's runner takes all three grid dims)
 
 
 def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=(), configs=None):
