@@ -15,6 +15,12 @@ kernel that produces it, in the same epilogue, from values still in registers (h
                gz     =  (gy @ W2) * s                  our bf16 dgrad kernel; its epilogue writes gz and gzᵀ in e5m2
                dW2    =  gyᵀ @ h,  dx = gz @ W1,  dW1 = gzᵀ @ x      FP8 GEMMs
 
+On Hopper, where those two bf16 GEMMs run in the ping-pong kernels (pingpong.py), the table's epilogue kernels
+lose more to their slower main loop than writing FP8 saves: there h and gz leave the ping-pong kernels in bf16 and
+one cast + transpose pass (cast_transpose, the amax folded in as the epilogues do) quantizes each, at 198 µs against
+326 for the forward at GPT-2 small's size (results/fp8_stage1_h100.txt; fp8_autograd.SEPARATE_CAST). The epilogues
+in this file run elsewhere (Ada). The ping-pong kernels writing FP8 themselves would save that extra pass.
+
 The two GEMMs that carry the epilogues (x @ W1ᵀ and gy @ W2) stay bf16 in this stage; the next stage
 gives them FP8 main loops. Activations and weights are e4m3 (more mantissa), gradients e5m2 (more range),
 TransformerEngine's "hybrid" format; every FP8 GEMM pairs one e4m3 operand with the other, as cuBLAS asks.

@@ -12,6 +12,7 @@ The weight copies an operator returns for backward are copies of the cached ones
 operator's output buffers once it thinks them dead; the cache must outlive them).
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -24,6 +25,22 @@ from .fp8 import (E4M3, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_sca
                   fp8_dgrad, fp8_linear_act, update_scales)
 from .linear_act import linear_act_forward
 from .ops import fused_op
+from . import pingpong
+
+# Where Hopper's ping-pong kernels run (pingpong.py), h and gz come from them in bf16, then one cast + transpose pass
+# quantizes each (its amax folded in, as the Triton kernels' FP8 stores do), instead of from the Triton kernels with
+# FP8 stores: those lose more to their slower main loop and epilogue than the extra pass costs
+# (results/fp8_stage1_h100.txt). The ping-pong kernels writing FP8 themselves would save that pass too.
+SEPARATE_CAST = {"forward": True, "dgrad": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device):
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _separate_cast(which, t):
+    return SEPARATE_CAST[which] and pingpong.AVAILABLE and pingpong.ENABLED and t.is_cuda and _hopper(t.device)
 
 
 def _rows_and_transposed_copy(t, state, slot):
@@ -53,9 +70,10 @@ def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_i
     """(y (M, C), xᵀ in e4m3, hᵀ in e4m3, dh/dz, the 1/scales x and h were quantized with) for rows x (M, C)."""
     calibrate = not state.calibrated
     x2, xt8 = _rows_and_transposed_copy(x, state, X)
-    if calibrate:  # current scaling through separate passes, once
+    if calibrate or _separate_cast("forward", x2):  # (calibrating: current scaling, once)
         h, saved = linear_act_forward(x2, w_fc, b_fc, activation, save=True)
-        _set_current_scale(state, H, h)
+        if calibrate:
+            _set_current_scale(state, H, h)
         h8, ht8 = cast_transpose(h, state, H, row_major=True)
     else:
         h8, ht8, saved = fp8_linear_act(x2, w_fc, b_fc, activation, state)
@@ -70,9 +88,10 @@ def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activatio
     """(dx, dW1, db1 or None, dW2, db2 or None) for rows grad_y (M, C); then the scales move on (update_scales)."""
     calibrate = not state.calibrated
     gy, gyt8 = _rows_and_transposed_copy(grad_y, state, GRAD_Y)
-    if calibrate:
+    if calibrate or _separate_cast("dgrad", gy):
         gz, grad_b_fc = linear_act_dgrad(gy, w_proj, saved, activation, bias_grad=bias_grad)
-        _set_current_scale(state, GRAD_Z, gz)
+        if calibrate:
+            _set_current_scale(state, GRAD_Z, gz)
         gz8, gzt8 = cast_transpose(gz, state, GRAD_Z, row_major=True)
     else:
         gz8, gzt8, grad_b_fc = fp8_dgrad(gy, w_proj, saved, activation, state, bias_grad)

@@ -64,8 +64,12 @@ def main():
     rows = {
         "bf16 fwd kernel (ping-pong, saves dh/dz)": lambda: linear_act_forward(x2, w1, None, a.activation),
         "FP8 fwd kernel (bf16 loop, h8 + h8T + dh/dz)": lambda: fp8.fp8_linear_act(x2, w1, None, a.activation, state),
+        "bf16 fwd (ping-pong) then cast+T h (h8 + h8T)": lambda: fp8.cast_transpose(
+            linear_act_forward(x2, w1, None, a.activation)[0], state, fp8.H, row_major=True),
         "bf16 dgrad kernel (ping-pong)": lambda: linear_act_dgrad(gy, w2, saved_bf16, a.activation, bias_grad=False),
         "FP8 dgrad kernel (bf16 loop, gz8 + gz8T)": lambda: fp8.fp8_dgrad(gy, w2, saved, a.activation, state, False),
+        "bf16 dgrad (ping-pong) then cast+T gz": lambda: fp8.cast_transpose(
+            linear_act_dgrad(gy, w2, saved_bf16, a.activation, bias_grad=False)[0], state, fp8.GRAD_Z, row_major=True),
         "cast+T x (e4m3)": lambda: fp8.cast_transpose(x2, state, fp8.X),
         "cast+T gy (e5m2)": lambda: fp8.cast_transpose(gy, state, fp8.GRAD_Y),
         "bf16 y = h @ W2T": lambda: h_bf16 @ w2.t(),
@@ -85,10 +89,20 @@ def main():
     import dataclasses
     import bench_mlp
     from model import MLP, GPTConfig
+    from fused_ops import fp8_autograd
     cfg = GPTConfig(n_embd=a.C, n_head=1, activation=a.activation, bias=False, mlp="fused")
-    mlps = {"bf16 fused": MLP(cfg), "FP8 fused": MLP(dataclasses.replace(cfg, fp8=True))}
-    mlps["FP8 fused"].load_state_dict(mlps["bf16 fused"].state_dict())
-    replays = {k: bench_mlp.graphed_fwd_bwd(m.to(dev, dt), x2, gy)[0] for k, m in mlps.items()}
+    # FP8 with h / gz from the Triton kernels' FP8 stores, or from the bf16 ping-pong kernels + one cast pass
+    # (fp8_autograd.SEPARATE_CAST: forward, dgrad): the choice is made when the graph is captured
+    variants = {"bf16 fused": None, "FP8 Triton epilogues": (False, False), "FP8 separate fwd": (True, False),
+                "FP8 separate fwd+dgrad": (True, True)}
+    base = MLP(cfg)
+    replays = {}
+    for k, separate in variants.items():
+        m = base if separate is None else MLP(dataclasses.replace(cfg, fp8=True))
+        m.load_state_dict(base.state_dict(), strict=False)
+        if separate is not None:
+            fp8_autograd.SEPARATE_CAST.update(forward=separate[0], dgrad=separate[1])
+        replays[k] = bench_mlp.graphed_fwd_bwd(m.to(dev, dt), x2, gy)[0]
     times = {k: [] for k in replays}
     for r in range(4):
         for k in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
