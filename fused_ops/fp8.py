@@ -386,16 +386,22 @@ def _padded(m):
     return -(-m // 16) * 16
 
 
+# cast_transpose_kernel's tile and warps (BLOCK_M, BLOCK_C, num_warps), by whether it also writes the row-major
+# copy: with it (h, gz: 12288 x 3072) 2 warps took 60 µs against 74 with 4; without (x, gy: 12288 x 768) 4 warps
+# were best (lab/fp8/cast_tiles.py on an H200, results/fp8_cast_tiles_h200.txt).
+CAST_TILE = {True: (32, 32, 4), False: (32, 32, 4)} if INTERPRET else {True: (64, 64, 2), False: (64, 64, 4)}
+
+
 def cast_transpose(x2, state, slot, row_major=False):
     """(q (M, C) if row_major else None, qt (C, Mp)): x2 quantized with the slot's scale, its amax folded in."""
     M, C = x2.shape
     Mp = _padded(M)
     qt = torch.empty((C, Mp), device=x2.device, dtype=SLOT_DTYPES[slot])
     q = torch.empty((M, C), device=x2.device, dtype=qt.dtype) if row_major else qt
-    block = 32 if INTERPRET else 64
-    launch(cast_transpose_kernel, (cdiv(Mp, block), cdiv(C, block)),
+    bm, bc, warps = CAST_TILE[row_major]
+    launch(cast_transpose_kernel, (cdiv(Mp, bm), cdiv(C, bc)),
            (x2, q, qt, state.scale[slot:], state.amax[slot:], M, C, Mp, x2.stride(0)),
-           dict(ROW_MAJOR=row_major, EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=block, BLOCK_C=block))
+           dict(ROW_MAJOR=row_major, EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=bm, BLOCK_C=bc), warps)
     return (q if row_major else None), qt
 
 
@@ -404,10 +410,10 @@ def transpose_fp8(q, Mp, state):
     folded into a scratch slot (q's own amax was taken when q was made)."""
     M, N = q.shape
     qt = torch.empty((N, Mp), device=q.device, dtype=q.dtype)
-    block = 32 if INTERPRET else 64
-    launch(cast_transpose_kernel, (cdiv(Mp, block), cdiv(N, block)),
+    bm, bc, warps = CAST_TILE[False]
+    launch(cast_transpose_kernel, (cdiv(Mp, bm), cdiv(N, bc)),
            (q, qt, qt, state.unit, state.unit[1:], M, N, Mp, q.stride(0)),
-           dict(ROW_MAJOR=False, EMULATE=INTERPRET, INT64=needs_int64(q, qt), BLOCK_M=block, BLOCK_C=block))
+           dict(ROW_MAJOR=False, EMULATE=INTERPRET, INT64=needs_int64(q, qt), BLOCK_M=bm, BLOCK_C=bc), warps)
     return qt
 
 

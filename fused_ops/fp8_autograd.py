@@ -12,7 +12,6 @@ The weight copies an operator returns for backward are copies of the cached ones
 operator's output buffers once it thinks them dead; the cache must outlive them).
 """
 
-import functools
 from typing import Optional
 
 import torch
@@ -34,13 +33,18 @@ from . import pingpong
 SEPARATE_CAST = {"forward": True, "dgrad": True}
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(device):
-    return torch.cuda.get_device_capability(device)[0] == 9
+def _cast_after_forward(x2, w_fc, b_fc, activation):
+    """Whether the forward's h comes from the ping-pong kernel, then a cast pass (where that kernel will run)."""
+    gated = kernel_activations(activation)[2]
+    split = w_fc.shape[0] // 2 if gated else None
+    return SEPARATE_CAST["forward"] and pingpong.FAILURE is None and pingpong.usable(x2, (w_fc,), (b_fc,), split)
 
 
-def _separate_cast(which, t):
-    return SEPARATE_CAST[which] and pingpong.AVAILABLE and pingpong.ENABLED and t.is_cuda and _hopper(t.device)
+def _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):
+    """The same for the dgrad's gz (pingpong.takes_dgrad: the gated dgrad runs there only at small widths)."""
+    gated = kernel_activations(activation)[2]
+    return (SEPARATE_CAST["dgrad"] and pingpong.FAILURE is None and pingpong.takes_dgrad(gated, gy.shape[1], bias_grad)
+            and pingpong.usable(gy, (w_proj, saved), split=w_proj.shape[1] if gated else None))
 
 
 def _rows_and_transposed_copy(t, state, slot):
@@ -70,7 +74,7 @@ def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_i
     """(y (M, C), xᵀ in e4m3, hᵀ in e4m3, dh/dz, the 1/scales x and h were quantized with) for rows x (M, C)."""
     calibrate = not state.calibrated
     x2, xt8 = _rows_and_transposed_copy(x, state, X)
-    if calibrate or _separate_cast("forward", x2):  # (calibrating: current scaling, once)
+    if calibrate or _cast_after_forward(x2, w_fc, b_fc, activation):  # (calibrating: current scaling, once)
         h, saved = linear_act_forward(x2, w_fc, b_fc, activation, save=True)
         if calibrate:
             _set_current_scale(state, H, h)
@@ -88,7 +92,7 @@ def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activatio
     """(dx, dW1, db1 or None, dW2, db2 or None) for rows grad_y (M, C); then the scales move on (update_scales)."""
     calibrate = not state.calibrated
     gy, gyt8 = _rows_and_transposed_copy(grad_y, state, GRAD_Y)
-    if calibrate or _separate_cast("dgrad", gy):
+    if calibrate or _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):
         gz, grad_b_fc = linear_act_dgrad(gy, w_proj, saved, activation, bias_grad=bias_grad)
         if calibrate:
             _set_current_scale(state, GRAD_Z, gz)

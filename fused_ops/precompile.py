@@ -15,7 +15,8 @@ killed, the parent compiles as it would have, and nothing of the child's reaches
 
 The child never tunes (FUSED_OPS_AUTOTUNE=0, no tuning cache): tile choices timed while the parent uses the same
 GPU could be wrong, and would be kept. Where a kernel is tuned (the Triton path, not Hopper's ping-pong kernels)
-the parent tunes as before and the child has compiled one of its candidates.
+the parent waits for the child before it times anything (wait(), called by tuning.py), then tunes as before; the
+child has compiled one of its candidates.
 
 FUSED_OPS_PRECOMPILE=0 turns it off.
 """
@@ -47,6 +48,9 @@ def start(spec, device):
     """Launch the child compiling spec's kernels on `device`; returns its Popen, or None when turned off."""
     if not ENABLED:
         return None
+    _children[:] = [c for c in _children if c.poll() is None]  # (finished ones reaped)
+    if str(device).startswith("cuda"):  # the parent's CUDA context first: under an exclusive compute mode a
+        torch.zeros(1, device=device)   # child that got there first would lock the run out of its own GPU
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "FUSED_OPS_AUTOTUNE": "0", "FUSED_OPS_TUNING_CACHE": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
@@ -55,6 +59,17 @@ def start(spec, device):
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _children.append(child)
     return child
+
+
+def wait(timeout=120.0):
+    """Wait for the running children (tuning.py, before it times tile configs: a child's kernels on the same GPU
+    would skew the timings it keeps). A child past the timeout is stopped."""
+    for child in _children:
+        try:
+            child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 @atexit.register

@@ -231,6 +231,8 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=
             _plans.pop(key, None)  # a cached choice this kernel no longer compiles: tune again
             cfg = None
     if cfg is None:
+        from . import precompile  # a child compiling kernels on this GPU (precompile.py) must not skew the timings
+        precompile.wait()
         times = []
         for c in configs:
             try:

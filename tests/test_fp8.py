@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import model
 import runtime
 import settings
-from fused_ops import fp8
+from fused_ops import fp8, fp8_autograd
 from fused_ops.fp8 import E4M3, E5M2, FP8_MAX, FP8State
 from fused_ops.fp8_autograd import fp8_mlp
 
@@ -134,6 +134,18 @@ def check_against_recipe(M, C, hidden, activation, dtype, device, calls=3, bias=
 @pytest.mark.parametrize("M", [64, 45])  # 45: rows padded to 48 in the transposed copies
 def test_fp8_mlp_matches_the_recipe_on_cpu(activation, M):
     check_against_recipe(M, 32, 64, activation, torch.float16, "cpu", close_to_recipe=0.5)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_the_cast_after_the_bf16_kernels_matches_the_recipe_on_cpu(monkeypatch, activation):
+    """Hopper's path (fp8_autograd.SEPARATE_CAST): h and gz from the 16-bit kernels, then one cast + transpose pass.
+    Forced here (the ping-pong kernels it follows run only on Hopper); the Triton kernels stand in for them."""
+    assert not fp8_autograd._cast_after_forward(torch.zeros(4, 32), torch.zeros(64, 32), None, activation)
+    calls = []
+    monkeypatch.setattr(fp8_autograd, "_cast_after_forward", lambda *a: calls.append("forward") or True)
+    monkeypatch.setattr(fp8_autograd, "_cast_after_dgrad", lambda *a: calls.append("dgrad") or True)
+    check_against_recipe(45, 32, 64, activation, torch.float16, "cpu")
+    assert calls.count("forward") == calls.count("dgrad") == 2  # the two calls after calibration
 
 
 def check_under_autocast(device, dtype, C=32, hidden=64, M=40):

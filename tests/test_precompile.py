@@ -91,3 +91,12 @@ def test_the_child_compiles_what_the_run_then_loads(tmp_path):
     ours = ("linear_act_kernel", "dgrad_kernel", "pingpong_kernel", "layernorm_")  # (not Inductor's kernels)
     new = sorted(str(p.relative_to(tmp_path)) for p in after - before if p.name.startswith(ours))
     assert new == [], new
+
+
+def test_wait_lets_a_child_finish_and_stops_one_past_its_time(monkeypatch):
+    """tuning.py waits for the children before timing tiles; one that hangs is stopped, not waited for forever."""
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(precompile, "_children", [quick, stuck])
+    precompile.wait(timeout=5)
+    assert quick.returncode == 0 and stuck.returncode not in (None, 0)

@@ -366,3 +366,18 @@ def test_fp8_trains_resumes_and_refuses_cuda_graphs(dataset, tmp_path):
     assert math.isfinite(step_losses(read_log(out))[2])
     with pytest.raises(settings.ConfigError, match="'fp8' compiles without CUDA graphs"):
         train.main(TINY + [f"--dataset={dataset}", f"--out_dir={tmp_path / 'c'}", *fp8[:3], "--compile=reduce-overhead"])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_to_host_reads_the_value_as_it_was_when_asked(device):
+    """train_step asks for the loss before the backward is queued and reads it after: the value read is the one
+    queued then, whatever runs on the GPU in between (on CUDA the copy is queued, not waited for)."""
+    t = torch.randn(2048, 2048, device=device)
+    s = t.sum()
+    expected = float(s)
+    read = train.to_host(s)
+    for _ in range(4):  # work queued after: a GPU stays busy with it when read() is called
+        t = t @ t.t() / 2048
+    s.add_(1.0)  # and a change to the tensor itself, queued after the copy
+    assert read() == expected

@@ -93,8 +93,12 @@ def main():
     cfg = GPTConfig(n_embd=a.C, n_head=1, activation=a.activation, bias=False, mlp="fused")
     # FP8 with h / gz from the Triton kernels' FP8 stores, or from the bf16 ping-pong kernels + one cast pass
     # (fp8_autograd.SEPARATE_CAST: forward, dgrad): the choice is made when the graph is captured
-    variants = {"bf16 fused": None, "FP8 Triton epilogues": (False, False), "FP8 separate fwd": (True, False),
-                "FP8 separate fwd+dgrad": (True, True)}
+    # (and the cast pass's tile: fp8.CAST_TILE, also read when the graph is captured)
+    tiles = dict(fp8.CAST_TILE)
+    before = {True: (64, 64, 4), False: (64, 64, 4)}
+    variants = {"bf16 fused": None, "FP8 Triton epilogues": (False, False, tiles),
+                "FP8 separate fwd+dgrad, 4-warp casts": (True, True, before),
+                "FP8 separate fwd+dgrad": (True, True, tiles)}
     base = MLP(cfg)
     replays = {}
     for k, separate in variants.items():
@@ -102,7 +106,9 @@ def main():
         m.load_state_dict(base.state_dict(), strict=False)
         if separate is not None:
             fp8_autograd.SEPARATE_CAST.update(forward=separate[0], dgrad=separate[1])
+            fp8.CAST_TILE = separate[2]
         replays[k] = bench_mlp.graphed_fwd_bwd(m.to(dev, dt), x2, gy)[0]
+    fp8.CAST_TILE = tiles
     times = {k: [] for k in replays}
     for r in range(4):
         for k in (list(replays) if r % 2 == 0 else list(replays)[::-1]):

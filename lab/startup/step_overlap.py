@@ -1,7 +1,8 @@
 """Does the GPU idle between train.py's steps? train.py reads each step's loss on the host (a NaN must stop the
 run before the optimizer step). Read after the backward, as train.py did until 2026-11-26, the host waits for the
-whole step and the GPU then waits for the host to queue the clip, the optimizer and the next forward. Read after
-the forward (train.train_step now), the GPU runs the backward meanwhile.
+whole step and the GPU then waits for the host to queue the clip, the optimizer and the next forward. Copied to
+the host before the backward is queued (train.to_host, train.train_step now), the read waits for the forward only
+and the GPU runs the backward meanwhile.
 
 Both orders, on configs/shakespeare_char.py's model (CUDA graphs, as the config runs), fused and eager MLP, in
 one process: rounds of --steps steps, the four variants alternated and reversed every other round; ms per step
