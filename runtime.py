@@ -1,6 +1,7 @@
 """
 Where and how a script runs: the device, the precision (autocast), and whether the fused MLP can run there.
-train.py and sample.py ask these before any work, so a wrong setting is one line naming the flag.
+train.py and sample.py ask these before any work, so a wrong setting is one line naming the flag. And to_host,
+how train.py reads a step's loss without stalling the GPU.
 """
 
 import contextlib
@@ -55,3 +56,17 @@ def check_fp8(fp8, device):
             model.import_fused_ops(required=True).check_fp8_device(torch.device(device))
         except RuntimeError as e:
             raise errors.UsageError(f"--{e}") from None
+
+
+def to_host(t):
+    """A function returning float(t) as it is now: on CUDA its copy to the host is queued now (non-blocking, into
+    pinned memory, an event behind it) and the function waits for that event only. train.py asks for the loss
+    before it queues the backward, so reading it waits for the forward: the GPU runs the backward while the host
+    queues the optimizer step and the next forward, instead of idling between steps (float() after the backward
+    queues its copy behind it, and waits for it)."""
+    if not t.is_cuda:
+        value = float(t)
+        return lambda: value
+    host, done = t.to("cpu", non_blocking=True), torch.cuda.Event()
+    done.record()
+    return lambda: (done.synchronize(), float(host))[1]

@@ -375,12 +375,12 @@ def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
                 loss = model(x, y)[1] / accum
             loss_sum += loss.detach()
             if last and world == 1:
-                on_host = to_host(loss_sum)  # queued before the backward: reading it waits for the forward only
+                on_host = runtime.to_host(loss_sum)  # queued before the backward: reading it waits for the forward only
             batches.prefetch()  # the next batch is drawn while the GPU runs this forward: its copy overlaps it
             scaler.scale(loss).backward()
     if world > 1:
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        on_host = to_host(loss_sum)
+        on_host = runtime.to_host(loss_sum)
     lossf = on_host()
     if math.isfinite(lossf):
         if cfg["grad_clip"] > 0:
@@ -390,19 +390,6 @@ def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return lossf
-
-
-def to_host(t):
-    """A function returning float(t) that waits only for the work queued so far: t's copy to the host is queued now
-    (on CUDA, non-blocking into pinned memory with an event behind it), not when the function is called. So the
-    GPU runs what is queued meanwhile (the backward) while the host queues the optimizer step and the next forward,
-    instead of idling between steps (float(t) later would wait for the backward too)."""
-    if not t.is_cuda:
-        value = float(t)
-        return lambda: value
-    host, done = t.to("cpu", non_blocking=True), torch.cuda.Event()
-    done.record()
-    return lambda: (done.synchronize(), float(host))[1]
 
 
 def report_step(log, bar, cfg, it, lossf, lr, dt, tokens_per_s, mfu, master):

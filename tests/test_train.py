@@ -11,6 +11,7 @@ import torch
 
 import data
 import prepare
+import runtime
 import settings
 import stopping
 import train
@@ -376,7 +377,7 @@ def test_to_host_reads_the_value_as_it_was_when_asked(device):
     t = torch.randn(2048, 2048, device=device)
     s = t.sum()
     expected = float(s)
-    read = train.to_host(s)
+    read = runtime.to_host(s)
     for _ in range(4):  # work queued after: a GPU stays busy with it when read() is called
         t = t @ t.t() / 2048
     s.add_(1.0)  # and a change to the tensor itself, queued after the copy

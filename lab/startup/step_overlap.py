@@ -1,7 +1,7 @@
 """Does the GPU idle between train.py's steps? train.py reads each step's loss on the host (a NaN must stop the
 run before the optimizer step). Read after the backward, as train.py did until 2026-11-26, the host waits for the
 whole step and the GPU then waits for the host to queue the clip, the optimizer and the next forward. Copied to
-the host before the backward is queued (train.to_host, train.train_step now), the read waits for the forward only
+the host before the backward is queued (runtime.to_host, train.train_step now), the read waits for the forward only
 and the GPU runs the backward meanwhile.
 
 Both orders, on configs/shakespeare_char.py's model (CUDA graphs, as the config runs), fused and eager MLP, in
