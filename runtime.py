@@ -59,14 +59,13 @@ def check_fp8(fp8, device):
 
 
 def to_host(t):
-    """A function returning float(t) as it is now: on CUDA its copy to the host is queued now (non-blocking, into
-    pinned memory, an event behind it) and the function waits for that event only. train.py asks for the loss
+    """A function returning float(t): on CUDA, t as it is now, its copy to the host queued now (non-blocking, into
+    pinned memory, an event behind it), so that the function waits for that event only. train.py asks for the loss
     before it queues the backward, so reading it waits for the forward: the GPU runs the backward while the host
     queues the optimizer step and the next forward, instead of idling between steps (float() after the backward
-    queues its copy behind it, and waits for it)."""
+    queues its copy behind it, and waits for it). Elsewhere float(t) when called."""
     if not t.is_cuda:
-        value = float(t)
-        return lambda: value
+        return lambda: float(t)
     host, done = t.to("cpu", non_blocking=True), torch.cuda.Event()
     done.record()
     return lambda: (done.synchronize(), float(host))[1]
