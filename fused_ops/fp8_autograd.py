@@ -88,8 +88,10 @@ def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_i
 
 
 @_without_autocast
-def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state, bias_grad, proj_bias_grad):
-    """(dx, dW1, db1 or None, dW2, db2 or None) for rows grad_y (M, C); then the scales move on (update_scales)."""
+def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state, bias_grad, proj_bias_grad,
+              w_fc_grad=True, w_proj_grad=True):
+    """(dx, dW1 or None, db1 or None, dW2 or None, db2 or None) for rows grad_y (M, C), a weight's gradient only where
+    it is asked for (a frozen weight's GEMM is skipped); then the scales move on (update_scales)."""
     calibrate = not state.calibrated
     gy, gyt8 = _rows_and_transposed_copy(grad_y, state, GRAD_Y)
     if calibrate or _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):
@@ -101,10 +103,12 @@ def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activatio
         gz8, gzt8, grad_b_fc = fp8_dgrad(gy, w_proj, saved, activation, state, bias_grad)
     del saved
     inv_gy, inv_gz = state.inv_scale[GRAD_Y, :1], state.inv_scale[GRAD_Z, :1]
-    grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_proj.dtype)
+    grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_proj.dtype) \
+        if w_proj_grad else None
     grad_b_proj = gy.sum(0) if proj_bias_grad else None
     grad_x = torch._scaled_mm(gz8, w_fc_t8.t(), scale_a=inv_gz, scale_b=w_fc_inv, out_dtype=gy.dtype)
-    grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_proj.dtype)
+    grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_proj.dtype) \
+        if w_fc_grad else None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(state.amax, op=dist.ReduceOp.MAX)  # one set of scales for every process
     update_scales(state)
@@ -130,7 +134,7 @@ class FP8MLPFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2]
         grads = _backward(grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad,
-                          ctx.has_bias[1] and ctx.needs_input_grad[4])
+                          ctx.has_bias[1] and ctx.needs_input_grad[4], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
         return (grads[0].view(ctx.x_shape), *grads[1:]) + (None,) * 6
 
 
@@ -165,18 +169,20 @@ def _(x, w_fc, b_fc, w_proj, b_proj, master_fc, master_proj, activation, state):
 @fused_op("fp8_mlp_backward")
 def fp8_backward_op(grad_y: Tensor, xt8: Tensor, ht8: Tensor, saved: Tensor, w_proj: Tensor, w_fc_t8: Tensor,
                     w_fc_inv: Tensor, inv: Tensor, activation: str, state: int, bias_grad: bool,
-                    proj_bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dW1, db1, dW2, db2) for rows grad_y; a bias gradient not asked for comes back empty."""
+                    proj_bias_grad: bool, w_fc_grad: bool, w_proj_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dW1, db1, dW2, db2) for rows grad_y; a gradient not asked for comes back empty."""
     grads = _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, _state(state), bias_grad,
-                      proj_bias_grad)
+                      proj_bias_grad, w_fc_grad, w_proj_grad)
     return tuple(grad_y.new_empty(0) if g is None else g for g in grads)
 
 
 @fp8_backward_op.register_fake
-def _(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state, bias_grad, proj_bias_grad):
+def _(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state, bias_grad, proj_bias_grad,
+      w_fc_grad, w_proj_grad):
     (M, C), rows = grad_y.shape, saved.shape[1]
-    return (grad_y.new_empty(M, C), w_proj.new_empty(rows, C), grad_y.new_empty(rows if bias_grad else 0),
-            w_proj.new_empty(w_proj.shape), grad_y.new_empty(C if proj_bias_grad else 0))
+    return (grad_y.new_empty(M, C), w_proj.new_empty((rows, C) if w_fc_grad else (0,)),
+            grad_y.new_empty(rows if bias_grad else 0), w_proj.new_empty(w_proj.shape if w_proj_grad else (0,)),
+            grad_y.new_empty(C if proj_bias_grad else 0))
 
 
 def _setup_context(ctx, inputs, output):
@@ -188,10 +194,11 @@ def _setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, grad_y, *_):  # (no gradient flows into what the forward returned for backward)
     bias_grad, proj_bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2], ctx.has_bias[1] and ctx.needs_input_grad[4]
+    w_fc_grad, w_proj_grad = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
     grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj = fp8_backward_op.op(
-        grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad, proj_bias_grad)
-    return (grad_x, grad_w_fc, grad_b_fc if bias_grad else None, grad_w_proj, grad_b_proj if proj_bias_grad else None,
-            None, None, None, None)
+        grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad, proj_bias_grad, w_fc_grad, w_proj_grad)
+    return (grad_x, grad_w_fc if w_fc_grad else None, grad_b_fc if bias_grad else None,
+            grad_w_proj if w_proj_grad else None, grad_b_proj if proj_bias_grad else None, None, None, None, None)
 
 
 torch.library.register_autograd("fused_mlp::fp8_mlp_forward", _op_backward, setup_context=_setup_context)

@@ -328,6 +328,41 @@ def test_fp8_gpt_compiles_fullgraph_and_trains_as_uncompiled():
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_frozen_weights_get_no_gradient_and_the_rest_is_unchanged(compile, monkeypatch):
+    """A frozen MLP weight (fine-tuning part of a model) skips its FP8 weight-gradient GEMM; every other gradient is
+    what the unfrozen model gives, bit for bit (the same kernels, calls and scales)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    scaled_mm, calls = torch._scaled_mm, []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or scaled_mm(*a, **k))
+    grads, counts = [], []
+    for frozen in (False, True):
+        calls.clear()
+        torch.manual_seed(0)
+        gpt = model.GPT(model.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32, mlp="fused",
+                                        fp8=True, dropout=0.0))
+        run = torch.compile(gpt, backend="aot_eager", fullgraph=True) if compile else gpt
+        mlp = gpt.transformer.h[0].mlp
+        if frozen:
+            mlp.c_fc.weight.requires_grad_(False)
+            mlp.c_proj.weight.requires_grad_(False)
+        idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):  # calibration, then the delayed path
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = run(idx, idx)[1]
+            loss.backward()
+        grads.append({n: p.grad for n, p in gpt.named_parameters()})
+        counts.append(len(calls))
+    assert counts == [2 * 4, 2 * 2]  # per step: y, then dW2, dx, dW1; frozen: y, dx
+    full, part = grads
+    assert part["transformer.h.0.mlp.c_fc.weight"] is None and part["transformer.h.0.mlp.c_proj.weight"] is None
+    assert full["transformer.h.0.mlp.c_fc.weight"] is not None
+    for name, g in part.items():
+        if g is not None:
+            assert torch.equal(g, full[name]), name
+
+
 def test_a_copied_model_has_fp8_states_of_its_own():
     """The compiled operators find a layer's FP8State by its number: a deep copy (or an unpickled model) must get
     new numbers, or its steps would update the original's scales."""
