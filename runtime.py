@@ -67,5 +67,5 @@ def to_host(t):
     if not t.is_cuda:
         return lambda: float(t)
     host, done = t.to("cpu", non_blocking=True), torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(t.device))  # t's device: not always the current one (--device=cuda:1)
     return lambda: (done.synchronize(), float(host))[1]

@@ -231,7 +231,12 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=
             _plans.pop(key, None)  # a cached choice this kernel no longer compiles: tune again
             cfg = None
     if cfg is None:
-        from . import precompile  # a child compiling kernels on this GPU (precompile.py) must not skew the timings
+        for c in configs:  # every candidate compiled first, untimed: a precompiling child may be using the GPU
+            try:
+                run_config(kernel, M, N, K, args, consts, c, descriptors)
+            except Exception:  # (timed below as failing)
+                pass
+        from . import precompile  # ...and must be done before anything is timed (precompile.py)
         precompile.wait()
         times = []
         for c in configs:

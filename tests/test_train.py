@@ -370,7 +370,8 @@ def test_fp8_trains_resumes_and_refuses_cuda_graphs(dataset, tmp_path):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")]), pytest.param("cuda:1", marks=[pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")])])
 def test_to_host_reads_the_value_as_it_was_when_asked(device):
     """train_step asks for the loss before the backward is queued and reads it after: on CUDA the value read is the
     one queued then, whatever runs on the GPU in between (the copy is queued, not waited for)."""
@@ -380,6 +381,6 @@ def test_to_host_reads_the_value_as_it_was_when_asked(device):
     read = runtime.to_host(s)
     for _ in range(4):  # work queued after: a GPU stays busy with it when read() is called
         t = t @ t.t() / 2048
-    if device == "cuda":
+    if device.startswith("cuda"):  # (cuda:1: not the current device; the copy's event must be recorded there)
         s.add_(1.0)  # and a change to the tensor itself, queued after the copy
     assert read() == expected

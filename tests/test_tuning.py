@@ -133,3 +133,24 @@ def test_tuning_choices_are_kept_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning.LaunchPlan, "launch", launch_failing_once)
     monkeypatch.setattr(tuning, "_plans", {})
     assert forward() == [tuning._describe(candidates[1])] and len(timed) == 6 and len(failures) == 1
+
+
+def test_tuning_compiles_every_candidate_then_waits_for_a_precompiling_child(monkeypatch, tmp_path):
+    """A child compiling kernels on the same GPU (precompile.py) would skew the timings: tuning compiles each
+    candidate first (untimed, overlapping the child), waits for the child, and only then times them."""
+    if not torch.cuda.is_available() and not tuning.INTERPRET:
+        pytest.skip("the kernels cannot run here")
+    from fused_ops import precompile
+    from fused_ops.linear_act import linear_act_forward
+
+    candidates = [tuning._config(32, 32, 32, 4, 1, group_m=2), tuning._config(16, 32, 32, 4, 1, group_m=2)]
+    monkeypatch.setattr(tuning, "TUNING_CACHE", "0")
+    monkeypatch.setattr(tuning, "matmul_configs", lambda gated=False, dtype=None: candidates)
+    monkeypatch.setattr(tuning, "_plans", {})
+    events, run_config = [], tuning.run_config
+    monkeypatch.setattr(tuning, "run_config", lambda *a: events.append(("run", a[6])) or run_config(*a))
+    monkeypatch.setattr(precompile, "wait", lambda: events.append(("wait", None)))
+    monkeypatch.setattr(tuning, "do_bench", lambda fn, **k: events.append(("time", None)) or 1.0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    linear_act_forward(torch.randn(40, 32, device=device), torch.randn(48, 32, device=device), None, "gelu")
+    assert events == [("run", candidates[0]), ("run", candidates[1]), ("wait", None), ("time", None), ("time", None)]
