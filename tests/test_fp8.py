@@ -167,7 +167,15 @@ def check_under_autocast(device, dtype, C=32, hidden=64, M=40):
         proj.zero_grad()
 
 
-def test_fp8_mlp_under_autocast_on_cpu():
+def force_cast_after_kernels(monkeypatch, on):
+    """Hopper's path (h and gz cast after the 16-bit kernels) where on, else the kernels' FP8 stores, on any device."""
+    monkeypatch.setattr(fp8_autograd, "_cast_after_forward", lambda *a: on)
+    monkeypatch.setattr(fp8_autograd, "_cast_after_dgrad", lambda *a: on)
+
+
+@pytest.mark.parametrize("cast_after", [False, True])
+def test_fp8_mlp_under_autocast_on_cpu(monkeypatch, cast_after):
+    force_cast_after_kernels(monkeypatch, cast_after)
     check_under_autocast("cpu", torch.float16)
 
 
@@ -187,7 +195,9 @@ def check_nan_and_inf_rows(device, dtype):
     assert y[others].isfinite().all()
 
 
-def test_nan_and_inf_rows_on_cpu():
+@pytest.mark.parametrize("cast_after", [False, True])
+def test_nan_and_inf_rows_on_cpu(monkeypatch, cast_after):
+    force_cast_after_kernels(monkeypatch, cast_after)
     check_nan_and_inf_rows("cpu", torch.float16)
 
 
