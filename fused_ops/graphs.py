@@ -18,14 +18,18 @@ How. As torch.cuda.make_graphed_callables, but per layer and per input shape, ca
 - Every later call copies x in, replays, and hands out the outputs (forward: y; backward: the gradients).
 
 What keeps it exact, and what it costs:
-- A replay overwrites the graph's buffers. So y is cloned on the way out (a caller may keep it), and a second
-  forward before the first one's backward (two forwards, then two backwards) runs the plain path instead of
-  overwriting what the first backward will read. A backward whose forward buffers were overwritten anyway (a
-  retain_graph backward after a later forward) raises instead of returning wrong gradients.
-- x's gradient is cloned (it may outlive the backward: autograd.grad, a hook, the residual stream's sum), and a
-  parameter's when it would become the parameter's .grad (autograd keeps a leaf's first gradient without copying
-  it); gradients added into an existing .grad are not. A second backward through one forward (retain_graph) and
-  a parameter changed in place between forward and backward raise, where the plain path would not or would too.
+- A replay overwrites the graph's buffers, and y and x's gradient are handed out as they lie there, uncopied (in
+  a GPT both are read once, by the residual stream's sum, and dropped). Before a replay, the graph checks that
+  nobody holds one from an earlier call (the count of tensors on their memory, as torch.compile's CUDA-graph
+  trees check theirs); if someone does (a caller keeping y, torch.autograd.grad's result, a hook), this call
+  runs the plain path instead of overwriting it.
+- A second forward before the first one's backward (two forwards, then two backwards) runs the plain path
+  instead of overwriting what the first backward will read. A backward whose forward buffers were overwritten
+  anyway (a retain_graph backward after a later forward) raises instead of returning wrong gradients.
+- A leaf's first gradient is cloned (autograd keeps it as the leaf's .grad without copying it, and the next
+  micro-step's replay would write into it); gradients added into an existing .grad are not. A second backward
+  through one forward (retain_graph) and a parameter changed in place between forward and backward raise, where
+  the plain path would not or would too.
 - Not captured: inference mode; torch.utils.checkpoint with graphs is not supported (its recompute would take
   the plain path and save different tensors: FUSED_OPS_GRAPHS=0).
 - Memory: each captured shape holds its layer's buffers (x, y, grad_y, the saved activations, the gradients and
@@ -46,6 +50,11 @@ import torch
 ENABLED = os.environ.get("FUSED_OPS_GRAPHS", "1") != "0"
 MAX_SHAPES = 4  # captured shapes per layer (training, evaluation, sampling's prompt and its one-token steps)
 _failed = False  # set by a failed capture: the plain path from then on
+
+
+def _holders(t):
+    """How many tensors share t's memory (references to its storage)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def graphs_usable(x):
@@ -94,6 +103,10 @@ class _Captured:
             grads, self.replay_backward = self._record(backward, pool, stream)
             slots = iter(grads)  # one gradient per input surface entry (None where it needs none)
             self.grads = tuple(next(slots) if t is not None and t.requires_grad else None for t in surface)
+        # What a replay overwrites and hands out uncopied (y, x's gradient), with the count of tensors on their
+        # memory while nobody else holds one: more later means a caller still holds one (see handed_out_alive).
+        handed = (self.y, self.grads[0]) if train and self.grads[0] is not None else (self.y,)
+        self.handed = tuple((t, _holders(t)) for t in handed)
 
     @staticmethod
     def _record(fn, pool, stream):
@@ -121,6 +134,10 @@ class _Captured:
         torch.cuda.current_stream().wait_stream(stream)
         return out, graph.replay
 
+    def handed_out_alive(self):
+        """A y or x gradient handed out by an earlier replay is still held by someone: a replay would overwrite it."""
+        return any(_holders(t) > alone for t, alone in self.handed)
+
     def busy(self):
         """A forward's buffers are still waiting for its backward (its autograd node is alive)."""
         return self.pending is not None and self.pending() is not None
@@ -139,7 +156,7 @@ class _Replay(torch.autograd.Function):
         ctx.leaves = tuple(t if t is not None and t.is_leaf else None for t in (x, *params))
         ctx.versions = tuple(None if p is None else p._version for p in params)
         captured.pending = weakref.ref(ctx)
-        return captured.y.detach().clone()
+        return captured.y.detach()  # (uncopied: the next replay waits until nobody holds it, see handed_out_alive)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -155,11 +172,12 @@ class _Replay(torch.autograd.Function):
         captured.replay_backward()
         captured.pending, captured.backward_of = None, ctx.generation
         out = []
-        for i, (t, g) in enumerate(zip(ctx.leaves, captured.grads)):
-            # The next replay writes into g: copy it wherever it may outlive this backward: x's gradient (returned
-            # by autograd.grad, kept by a hook, or summed in place into the residual stream's), and a leaf's first
-            # gradient (autograd keeps it as that leaf's .grad); a gradient added into an existing .grad is not.
-            if g is not None and (i == 0 or (t is not None and t.grad is None)):
+        for t, g in zip(ctx.leaves, captured.grads):
+            # The next replay writes into g. A leaf's first gradient becomes its .grad as it is, and the next
+            # micro-step's backward replays before anyone could see it is held: copy it. x's gradient when x is
+            # not a leaf goes out uncopied (the next forward checks nobody holds it); one added into an existing
+            # .grad is read once.
+            if g is not None and t is not None and t.grad is None:
                 g = g.clone()
             out.append(None if g is None else g.detach())
         return (None, *out)
@@ -199,10 +217,12 @@ class MLPGraphs:
                 warnings.warn(f"capturing the fused MLP in a CUDA graph failed ({type(e).__name__}: {e}); the "
                               "plain fused path runs from now on", stacklevel=2)
                 return fn(x, *params)
+        if captured.handed_out_alive():  # an earlier call's y or x gradient is still held: do not overwrite it
+            return fn(x, *params)
         if not train:
             captured.x.copy_(x)
             captured.replay_forward()
-            return captured.y.clone()
+            return captured.y.detach()
         if captured.busy():  # two forwards before one backward: the first one's buffers are still needed
             return fn(x, *params)
         return _Replay.apply(captured, x, *params)

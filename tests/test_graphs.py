@@ -38,6 +38,7 @@ def run_steps(mods, xs, graphed, accumulate=1, lr=0.1):
         y = fn(x, *params) if graphed is None else graphed(fn, x, params)
         ((y.float() * direction).sum() / accumulate).backward()
         outs.append((y.detach().clone(), x.grad.clone()))
+        del y  # (as a training loop drops it: a y still held makes the next call run the plain path)
         if (i + 1) % accumulate == 0:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -54,6 +55,7 @@ def test_training_steps_match_the_plain_path(accumulate):
     g = MLPGraphs(emulate=True)
     outs, params = run_steps(layer(), xs, g, accumulate)
     assert len(g.captured) == 1  # captured on the second call, replayed from then on
+    assert next(iter(g.captured.values())).generation == len(xs) - 1
     for (y0, gx0), (y1, gx1) in zip(plain_outs, outs):
         torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(gx1, gx0, rtol=1e-6, atol=1e-6)
@@ -190,6 +192,58 @@ def test_outputs_are_not_overwritten_by_later_calls():
     y.sum().backward()
     call(torch.randn(3, 16, requires_grad=True)).sum().backward()
     torch.testing.assert_close(y.detach(), keep, rtol=0, atol=0)
+
+
+def test_a_held_output_or_input_gradient_makes_the_next_call_run_the_plain_path():
+    """y and a non-leaf x's gradient go out uncopied; while someone holds one, calls run the plain path (nothing
+    handed out is overwritten), and once it is dropped the graph replays again."""
+    g, mods, params, call = graphed_layer()
+    for _ in range(2):
+        call(torch.randn(4, 16, requires_grad=True) * 1.0).sum().backward()
+    captured = next(iter(g.captured.values()))
+    h = torch.randn(4, 16, requires_grad=True) * 1.0
+    gx = torch.autograd.grad(call(h).sum(), h)[0]  # held
+    keep, replays = gx.clone(), captured.generation
+    call(torch.randn(4, 16, requires_grad=True) * 1.0).sum().backward()
+    assert captured.generation == replays  # the plain path ran
+    torch.testing.assert_close(gx, keep, rtol=0, atol=0)
+    del gx
+    call(torch.randn(4, 16, requires_grad=True) * 1.0).sum().backward()
+    assert captured.generation == replays + 1
+    with torch.no_grad():
+        call(torch.randn(4, 16)), call(torch.randn(4, 16))
+        evaluation = g.captured[next(k for k in g.captured if not k[3])]
+        y = call(torch.randn(4, 16))
+        keep = y.clone()
+        call(torch.randn(4, 16))
+        torch.testing.assert_close(y, keep, rtol=0, atol=0)
+        assert y.data_ptr() == evaluation.y.data_ptr()  # handed out uncopied
+
+
+def test_a_gpt_replays_every_step_with_nothing_held(monkeypatch):
+    """In a whole GPT (emulated graphs on CPU), nothing keeps a layer's y or x gradient past its use, so every
+    training step after the capture replays, and the losses equal the plain path's."""
+    import fused_ops
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", dropout=0.0)
+    monkeypatch.setattr(fused_ops, "graphs_usable", lambda x: True)  # (model.py reads it from the package)
+    losses = []
+    for emulated in (False, True):
+        torch.manual_seed(0)
+        gpt = GPT(cfg)
+        for block in gpt.transformer.h:
+            block.mlp.graphs = MLPGraphs(emulate=True) if emulated else None
+        opt = torch.optim.SGD(gpt.parameters(), lr=0.1)
+        run = []
+        for step in range(5):
+            x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+            _, loss = gpt(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            run.append(loss.item())
+        losses.append(run)
+    assert [next(iter(b.mlp.graphs.captured.values())).generation for b in gpt.transformer.h] == [4, 4]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
 def test_new_parameters_and_shapes_get_their_own_graphs(monkeypatch):
