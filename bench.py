@@ -14,7 +14,7 @@ backward and the AdamW update over gradient_accumulation_steps micro-batches. Re
 after warm-up, tokens/s, MFU against the GPU's peak bf16 rate, peak GPU memory of the timed steps (allocated, and
 reserved: CUDA graphs' private pools count only there). Writes JSON, CSV and a PNG bar chart to --out (default
 results/bench_<config>.*). --compile also takes a torch.compile mode: --compile=True,reduce-overhead.
---mlps=fp8 adds the fused MLP with FP8 GEMMs (fused_ops/fp8.py; not under CUDA graphs), --mlps=torchao the eager
+--mlps=fp8 adds the fused MLP with FP8 GEMMs (fused_ops/fp8.py), --mlps=torchao the eager
 MLP through torchao's float8 training (where installed; compile it, as torchao advises: --compile=True).
 
 Variants run one after another by default, and the first of a process can run slower whatever it is (measured:
@@ -47,7 +47,6 @@ from tqdm import tqdm
 
 import bench_mlp
 import errors
-import settings
 from model import GPT, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")
@@ -64,7 +63,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     ap.add_argument("--mlps", default="eager,fused",
-                    help="of eager, fused, auto, fp8 (fused in FP8: not with reduce-overhead), torchao (the eager "
+                    help="of eager, fused, auto, fp8 (fused in FP8), torchao (the eager "
                          "MLP's Linears through torchao's float8 training, where torchao is installed)")
     ap.add_argument("--compile", default="False,True",
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
@@ -266,8 +265,7 @@ def run(args):
     batches = make_batches(model_args, batch_size, args)
     torch.manual_seed(0)
     state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
-    variants = [(m, compile_setting(c)) for c in args.compile.split(",") for m in args.mlps.split(",")
-                if not (m == "fp8" and compile_setting(c) in settings.CUDA_GRAPH_MODES)]  # (FP8: host state)
+    variants = [(m, compile_setting(c)) for c in args.compile.split(",") for m in args.mlps.split(",")]
     if args.rounds > 1:
         rows = run_interleaved(model_args, state, variants, batches, args, dtype)
     else:

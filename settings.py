@@ -70,9 +70,6 @@ def check(cfg):
     need(0.0 <= cfg["dropout"] < 1.0, f"config key 'dropout' must be in [0, 1), got {cfg['dropout']}")
     need(isinstance(cfg["compile"], bool) or cfg["compile"] in COMPILE_MODES,
          f"config key 'compile' must be True, False or one of {', '.join(COMPILE_MODES)}; got {cfg['compile']!r}")
-    need(not (cfg["fp8"] and cfg["compile"] in CUDA_GRAPH_MODES),
-         f"config key 'fp8' compiles without CUDA graphs (its scales and weight copies are host state a replay "
-         f"skips): set compile=True or False (got {cfg['compile']!r})")
     try:  # model.py validates mlp, activation, n_embd % n_head: ask it now, before any data is prepared
         GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
     except ValueError as e:

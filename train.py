@@ -65,7 +65,7 @@ DEFAULTS = dict(
     mlp="auto",  # "eager" | "fused" | "auto"
     activation="gelu",
     fuse_ln=False,  # fold each block's second LayerNorm into the fused MLP (mlp="fused" or "auto")
-    fp8=False,  # FP8 GEMMs in the fused MLP (mlp="fused", not reduce-overhead, an Ada or Hopper GPU): fused_ops/fp8.py
+    fp8=False,  # FP8 GEMMs in the fused MLP (mlp="fused", an Ada or Hopper GPU): fused_ops/fp8.py
     vocab_size=None,  # None: the dataset's vocabulary size
     # AdamW
     learning_rate=6e-4,

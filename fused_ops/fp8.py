@@ -31,15 +31,15 @@ the two operands' 1/scale. An epilogue writes each tile as soon as it is compute
 scale before the tensor's amax exists: the scale comes from the largest amax of the last `history`
 micro-steps (FP8State), and each kernel folds its tiles' amax into the current one with an atomic max.
 After each backward one tiny kernel moves the current amaxes into the history and computes the next
-scales, on the GPU without a host sync (the calibration flag and the weight cache below are host state,
-so CUDA graphs cannot capture this path yet). Under torch.distributed the amaxes are first reduced (MAX)
+scales, on the GPU without a host sync (under torch.compile nothing else is host state either, so CUDA graphs
+capture it: fp8_autograd.py). Under torch.distributed the amaxes are first reduced (MAX)
 over the processes, so that all quantize with the same scales. Values past the range saturate to
 ±fp8_max (the price of a delayed scale when a tensor grows suddenly); the history's max keeps that rare.
 Non-finite amaxes (an overflowed fp16 step, a NaN) are left out of the max.
 The first call of each MLP has no history: it calibrates, with current scaling through separate passes
 (each tensor's amax measured before it is quantized), and from then on the fused path runs.
 Weights use current scaling, since their FP8 copies (W2 and W1ᵀ) are made once per optimizer step
-(FP8State.weights), not per micro-step.
+(FP8State.weights) uncompiled, and once per forward by the compiled graph, never from an older amax.
 Rows are padded to a multiple of 16 in the transposed copies (zeros), since the GEMMs reducing over the
 tokens need K % 16 == 0.
 

@@ -5,11 +5,15 @@ One computation, _forward and _backward below, reached two ways:
 - outside torch.compile, FP8MLPFunction, an autograd.Function over the two;
 - inside, two operators, fused_mlp::fp8_mlp_forward and fused_mlp::fp8_mlp_backward, each one opaque node in the
   compiled graph (ops.py says why operators), the backward attached with torch.library.register_autograd.
-Both read and update host state the graph does not see: the layer's FP8State (an operator finds it by its
-number), its calibration flag and its weight copies, remade once per optimizer step. A CUDA graph replay would
-skip that host work, so the FP8 MLP compiles with torch.compile's default mode, never with reduce-overhead.
-The weight copies an operator returns for backward are copies of the cached ones (the compiler may reuse an
-operator's output buffers once it thinks them dead; the cache must outlive them).
+The two ways differ in where the weights' FP8 copies are made:
+- uncompiled, FP8State.weights caches them, remade once per optimizer step (a host-side check);
+- compiled, the traced graph makes them itself (quantize_weight, fused by inductor) and hands them to the forward
+  operator, every forward: a host check would be skipped by a CUDA graph replay, so none is left. The operators
+  then keep no host state a replay needs: the scales live in the FP8State's buffers (an operator finds the state
+  by its number) and move on the GPU; the calibration flag is read once, on the first call, which torch.compile's
+  CUDA graphs run before they record. So the FP8 MLP compiles in every mode, reduce-overhead included (which it
+  needs to be fast: results/fp8_compile_h100.txt). The price: with gradient accumulation, one weight cast per
+  micro-step instead of per optimizer step (~12 MB of traffic a layer at GPT-2 small's size).
 """
 
 from typing import Optional
@@ -21,7 +25,7 @@ from torch import Tensor
 from .activations import kernel_activations
 from .dgrad import linear_act_dgrad
 from .fp8 import (E4M3, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose, check_fp8_device,
-                  fp8_dgrad, fp8_linear_act, update_scales)
+                  fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
 from .linear_act import linear_act_forward
 from .ops import fused_op
 from . import pingpong
@@ -147,23 +151,19 @@ def _state(number):
 
 @fused_op("fp8_mlp_forward")
 def fp8_forward_op(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_proj: Optional[Tensor],
-                   master_fc: Tensor, master_proj: Tensor, activation: str,
-                   state: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(y, then what backward needs: xᵀ8, hᵀ8, dh/dz, the 1/scales, W1ᵀ8, its 1/scale) for rows x. master_fc /
-    master_proj: the parameters themselves, whose FP8 copies are made once per optimizer step."""
-    fp8_state = _state(state)
-    w_proj8, w_proj_inv, w_fc_t8, w_fc_inv = fp8_state.weights(master_fc, master_proj)
-    y, xt8, ht8, saved, inv = _forward(x, w_fc, b_fc, w_proj, b_proj, activation, fp8_state, w_proj8, w_proj_inv)
-    return y, xt8, ht8, saved, inv, w_fc_t8.clone(), w_fc_inv.clone()
+                   w_proj8: Tensor, w_proj_inv: Tensor, w_fc_t8: Tensor, w_fc_inv: Tensor, activation: str,
+                   state: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, then what backward needs: xᵀ8, hᵀ8, dh/dz, the 1/scales) for rows x; w_proj8 ... w_fc_inv: the weights'
+    FP8 copies (quantize_weight), made by the compiled graph."""
+    return _forward(x, w_fc, b_fc, w_proj, b_proj, activation, _state(state), w_proj8, w_proj_inv)
 
 
 @fp8_forward_op.register_fake
-def _(x, w_fc, b_fc, w_proj, b_proj, master_fc, master_proj, activation, state):
-    (M, C), rows = x.shape, w_fc.shape[0]
+def _(x, w_fc, b_fc, w_proj, b_proj, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv, activation, state):
+    M, C = x.shape
     hidden, Mp, f32 = w_proj.shape[1], _padded(x.shape[0]), torch.float32
     return (x.new_empty(M, C), x.new_empty(C, Mp, dtype=E4M3), x.new_empty(hidden, Mp, dtype=E4M3),
-            x.new_empty(M, rows, dtype=w_fc.dtype), x.new_empty(4, 4, dtype=f32), x.new_empty(C, rows, dtype=E4M3),
-            x.new_empty(1, dtype=f32))
+            x.new_empty(M, w_fc.shape[0], dtype=w_fc.dtype), x.new_empty(4, 4, dtype=f32))
 
 
 @fused_op("fp8_mlp_backward")
@@ -186,8 +186,8 @@ def _(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state
 
 
 def _setup_context(ctx, inputs, output):
-    x, w_fc, b_fc, w_proj, b_proj, master_fc, master_proj, activation, state = inputs
-    _, xt8, ht8, saved, inv, w_fc_t8, w_fc_inv = output
+    x, w_fc, b_fc, w_proj, b_proj, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv, activation, state = inputs
+    _, xt8, ht8, saved, inv = output
     ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv)
     ctx.activation, ctx.state, ctx.has_bias = activation, state, (b_fc is not None, b_proj is not None)
 
@@ -198,7 +198,7 @@ def _op_backward(ctx, grad_y, *_):  # (no gradient flows into what the forward r
     grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj = fp8_backward_op.op(
         grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad, proj_bias_grad, w_fc_grad, w_proj_grad)
     return (grad_x, grad_w_fc if w_fc_grad else None, grad_b_fc if bias_grad else None,
-            grad_w_proj if w_proj_grad else None, grad_b_proj if proj_bias_grad else None, None, None, None, None)
+            grad_w_proj if w_proj_grad else None, grad_b_proj if proj_bias_grad else None) + (None,) * 6
 
 
 torch.library.register_autograd("fused_mlp::fp8_mlp_forward", _op_backward, setup_context=_setup_context)
@@ -224,8 +224,9 @@ def fp8_mlp(x, c_fc, c_proj, activation, state):
     if C % 16 or hidden % 16:
         raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({hidden}) to be multiples "
                          "of 16 (FP8 GEMMs take K and N in multiples of 16)")
-    if compiling:
+    if compiling:  # the weights' FP8 copies made in the graph (see the top of this file)
         x2 = x.reshape(-1, C).contiguous()
-        y = fp8_forward_op(x2, w_fc, b_fc, w_proj, b_proj, *masters, activation, state.number)[0]
+        copies = (*quantize_weight(masters[1]), *quantize_weight(masters[0], transpose=True))
+        y = fp8_forward_op(x2, w_fc, b_fc, w_proj, b_proj, *copies, activation, state.number)[0]
         return y.view(*x.shape[:-1], C)
     return FP8MLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, state, *state.weights(*masters))

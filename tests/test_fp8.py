@@ -295,10 +295,8 @@ def test_config_fp8_is_opt_in_and_checked():
         with pytest.raises(ValueError, match="'fp8'"):
             model.GPTConfig(fp8=True, **bad)
     import train
-    for mode in settings.CUDA_GRAPH_MODES:
-        with pytest.raises(settings.ConfigError, match="'fp8' compiles without CUDA graphs"):
-            settings.check({**train.DEFAULTS, "fp8": True, "mlp": "fused", "compile": mode})
-    settings.check({**train.DEFAULTS, "fp8": True, "mlp": "fused", "compile": True})
+    for mode in (True, *settings.CUDA_GRAPH_MODES):  # (CUDA graphs too: the compiled operators keep no host state)
+        settings.check({**train.DEFAULTS, "fp8": True, "mlp": "fused", "compile": mode})
 
 
 def fp8_gpt_steps(compile, steps=4, adam=False):
@@ -336,6 +334,37 @@ def test_fp8_gpt_compiles_fullgraph_and_trains_as_uncompiled():
     assert losses[-1] < losses[0]
     assert losses == plain_losses  # bit for bit: the same kernels and GEMMs, autocast off inside both
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+def compiled_mlp_follows_its_weights(device, mode=None):
+    """Compiled, the FP8 weight copies are made in the graph at every forward, with no host-side check a CUDA
+    graph replay would skip: W2 doubled in place, even through .data (which no version counter sees), doubles y
+    (weights use current scaling: no scale goes stale). Returns (y before, y after)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    fc, proj = make_mlp(64, 128, "gelu", torch.float32, device, bias=False)
+    state = FP8State().to(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    backend = dict(mode=mode) if device == "cuda" else dict(backend="aot_eager")
+    step = torch.compile(lambda x: fp8_mlp(x, fc, proj, "gelu", state), fullgraph=True, **backend)
+    x = torch.randn(32, 64, device=device, generator=torch.Generator(device).manual_seed(0))
+    ys = []
+    for i in range(5):  # calibration, then delayed scales (CUDA graphs: warm-up, then record, then replays)
+        if i == 4:
+            proj.weight.data.mul_(2)
+        if device == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device, dtype=dtype):
+            y = step(x.clone().requires_grad_())
+        y.float().square().mean().backward()
+        ys.append(y.detach().float().clone())
+        fc.weight.grad = proj.weight.grad = None
+    return ys[3], ys[4]
+
+
+def test_compiled_weight_copies_follow_the_weights_on_cpu():
+    before, after = compiled_mlp_follows_its_weights("cpu")
+    torch.testing.assert_close(after, 2 * before, rtol=1e-3, atol=1e-6)  # (2x, up to fp16's subnormals)
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -501,19 +530,31 @@ def test_nan_and_inf_rows_on_the_gpu():
 
 @needs_fp8_gpu
 @pytest.mark.gpu
-def test_fp8_gpt_under_torch_compile_on_the_gpu():
-    """torch.compile's default backend (inductor) around the FP8 operators: the loss of six steps follows the
-    uncompiled run's (inductor rounds the rest of the model its own way) and no graph breaks."""
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_weight_copies_follow_the_weights_on_the_gpu(mode):
+    before, after = compiled_mlp_follows_its_weights("cuda", mode)
+    torch.testing.assert_close(after, 2 * before, rtol=1e-2, atol=1e-5)
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_fp8_gpt_under_torch_compile_on_the_gpu(mode):
+    """torch.compile's default backend (inductor) around the FP8 operators, with and without CUDA graphs: the loss of
+    six steps follows the uncompiled run's (inductor rounds the rest of the model its own way) and no graph breaks."""
+    import torch._dynamo
+    torch._dynamo.reset()
     runs = []
     for compiled in (False, True):
         torch.manual_seed(0)
         gpt = model.GPT(model.GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mlp="fused",
                                         fp8=True, dropout=0.0)).cuda()
-        step = torch.compile(gpt, fullgraph=True) if compiled else gpt
+        step = torch.compile(gpt, fullgraph=True, mode=mode) if compiled else gpt
         opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3, fused=True)
         idx = torch.randint(0, 512, (8, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         losses = []
         for _ in range(6):
+            torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast("cuda", torch.bfloat16):
                 loss = step(idx, idx)[1]
             loss.backward()
