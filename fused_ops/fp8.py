@@ -50,7 +50,7 @@ saturate. Under no_grad (evaluation, sampling) the MLP runs the bf16 fused path.
 fp8_autograd.py runs all this as an autograd.Function, and inside torch.compile as two operators.
 
 Under the Triton interpreter (CPU tests), whose float -> FP8 conversion mis-rounds values that carry into
-the next binade and turns NaN into 384, the kernels encode FP8 by hand (_encode_fp8: round to nearest even
+the next binade and turns NaN into 384, the kernels encode FP8 by hand (fp8_quantize.py: round to nearest even
 in fp32, then the bit fields); on a GPU the hardware conversion (round to nearest even) does it.
 """
 
@@ -62,6 +62,7 @@ import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .activations import activation, activation_grad, kernel_activations
+from .fp8_quantize import quantize
 from .matmul import _capability, column_offsets, matmul_loop, needs_int64, tile_ids, tma_operands
 from .tuning import AUTOTUNE, INTERPRET, _config, cdiv, launch, launch_matmul, matmul_configs, tuned_config
 
@@ -95,43 +96,6 @@ def check_fp8_device(device):
 
 # ----------------------------------------------------------------------------------------------------------
 # quantization, as the kernels do it
-
-@triton.jit
-def _encode_fp8(v, OUT: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr):
-    """The interpreter's FP8 conversion, done by hand: v (finite values within range, or NaN) rounded to nearest
-    even on the grid of the format with MANTISSA bits and exponent bias BIAS, encoded bit by bit."""
-    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 1 - BIAS)  # subnormals: 1 - BIAS
-    ulp = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
-    steps = (tl.abs(v) / ulp + 12582912.0) - 12582912.0  # 1.5 * 2**23: the fp32 addition rounds to an integer
-    steps = tl.where(v != v, 0.0, steps)  # (NaN is encoded below)
-    r = steps * ulp  # |v| on the grid; the bits of its fp32 encoding give the FP8 fields
-    bits = r.to(tl.int32, bitcast=True)
-    r_exp = ((bits >> 23) & 0xFF) - 127
-    normal = r >= MIN_NORMAL  # 2**(1 - BIAS)
-    field = tl.where(normal, ((r_exp + BIAS) << MANTISSA) | ((bits >> (23 - MANTISSA)) & ((1 << MANTISSA) - 1)),
-                     steps.to(tl.int32))
-    code = tl.where(v != v, 0x7F, field | tl.where(v < 0, 0x80, 0))  # 0x7F: NaN in both formats
-    return code.to(tl.uint8).to(OUT, bitcast=True)
-
-
-@triton.jit
-def quantize(v, scale, OUT: tl.constexpr, EMULATE: tl.constexpr):
-    """fp8(v · scale), saturating finite values, NaN for NaN and ±inf (see the module docstring)."""
-    if OUT == tl.float8e4nv:
-        fp8_max: tl.constexpr = 448.0
-    else:
-        fp8_max: tl.constexpr = 57344.0
-    t = v * scale
-    q = tl.minimum(tl.maximum(t, -fp8_max, propagate_nan=tl.PropagateNan.ALL), fp8_max,
-                   propagate_nan=tl.PropagateNan.ALL)
-    q = tl.where(tl.abs(t) == float("inf"), float("nan"), q)
-    if EMULATE:
-        if OUT == tl.float8e4nv:
-            return _encode_fp8(q, OUT, 3, 7, 0.015625)
-        else:
-            return _encode_fp8(q, OUT, 2, 15, 6.103515625e-05)
-    return q.to(OUT)
-
 
 @triton.jit
 def _store_quantized(v, offs_m, offs_n, n_ok, M, Mp, q_ptr, stride_q, qt_ptr, stride_qt, scale, amax_ptr,

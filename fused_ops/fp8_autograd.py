@@ -25,7 +25,7 @@ from torch import Tensor
 from .activations import kernel_activations
 from .dgrad import linear_act_dgrad
 from .fp8 import (E4M3, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose, check_fp8_device,
-                  fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
+                  fp8_dgrad, fp8_linear_act, quantize_weight, transpose_fp8, update_scales)
 from .linear_act import linear_act_forward
 from .ops import fused_op
 from . import pingpong
@@ -35,6 +35,9 @@ from . import pingpong
 # FP8 stores: those lose more to their slower main loop and epilogue than the extra pass costs
 # (results/fp8_stage1_h100.txt). The ping-pong kernels writing FP8 themselves would save that pass too.
 SEPARATE_CAST = {"forward": True, "dgrad": True}
+# Better still, the ping-pong forward quantizes h in its own epilogue (pingpong.linear_act_forward_fp8: FP8 h out,
+# the amax folded in), leaving only the transposed copy to a pass over FP8 bytes (transpose_fp8). Not gated.
+PINGPONG_FP8 = {"forward": True}
 
 
 def _cast_after_forward(x2, w_fc, b_fc, activation):
@@ -42,6 +45,20 @@ def _cast_after_forward(x2, w_fc, b_fc, activation):
     gated = kernel_activations(activation)[2]
     split = w_fc.shape[0] // 2 if gated else None
     return SEPARATE_CAST["forward"] and pingpong.FAILURE is None and pingpong.usable(x2, (w_fc,), (b_fc,), split)
+
+
+def _pingpong_fp8_forward(x2, w_fc, b_fc, hidden, activation, state):
+    """(h8, h8ᵀ, dh/dz) with h8 from the ping-pong forward's FP8 epilogue, or None where that cannot run (or
+    failed: then the paths below, for the rest of the process)."""
+    act, _, gated = kernel_activations(activation)
+    if not (PINGPONG_FP8["forward"] and pingpong.usable_fp8(x2, w_fc, b_fc, gated)):
+        return None
+    M = x2.shape[0]
+    h8 = torch.empty((M, hidden), device=x2.device, dtype=E4M3)
+    saved = torch.empty((M, w_fc.shape[0]), device=x2.device, dtype=w_fc.dtype)
+    if not pingpong.linear_act_forward_fp8(x2, w_fc, b_fc, act, h8, saved, state.scale[H:], state.amax[H:]):
+        return None
+    return h8, transpose_fp8(h8, _padded(M), state), saved
 
 
 def _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):
@@ -78,7 +95,10 @@ def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_i
     """(y (M, C), xᵀ in e4m3, hᵀ in e4m3, dh/dz, the 1/scales x and h were quantized with) for rows x (M, C)."""
     calibrate = not state.calibrated
     x2, xt8 = _rows_and_transposed_copy(x, state, X)
-    if calibrate or _cast_after_forward(x2, w_fc, b_fc, activation):  # (calibrating: current scaling, once)
+    from_epilogue = None if calibrate else _pingpong_fp8_forward(x2, w_fc, b_fc, w_proj.shape[1], activation, state)
+    if from_epilogue is not None:
+        h8, ht8, saved = from_epilogue
+    elif calibrate or _cast_after_forward(x2, w_fc, b_fc, activation):  # (calibrating: current scaling, once)
         h, saved = linear_act_forward(x2, w_fc, b_fc, activation, save=True)
         if calibrate:
             _set_current_scale(state, H, h)

@@ -13,6 +13,9 @@ The two consumers take turns at the main loop (the `turn` barriers): while one r
 other runs the previous tile's epilogue on the CUDA cores (CUTLASS calls this schedule ping-pong).
 The epilogue is a compile-time choice:
   "act": bias + activation, and the derivative dh/dz backward needs (SAVE): linear_act's forward;
+         with FP8_OUT, h leaves quantized instead (the FP8 MLP, fp8.py: fp8(h · scale) with the delayed scale
+         read from scale_ptr, each tile's amax folded into amax_ptr with an atomic max, as the Triton FP8
+         epilogues do), from fp32 registers: half the bytes of a 16-bit h, and no separate cast pass;
   "mul": times a saved tensor read through TMA, plus this tile's column sums for the bias gradient:
          the dgrad.
 Gated activations: in the forward each B tile holds 64 gate rows and 64 up rows of W for the same 64
@@ -36,6 +39,7 @@ import torch
 
 from . import matmul
 from .activations import activation, activation_grad, gelu_and_grad_16bit
+from .fp8_quantize import quantize
 from .matmul import split_columns, tile_ids
 from .tuning import INTERPRET, _specialization, cdiv
 
@@ -118,11 +122,12 @@ if AVAILABLE:
                 i += 1
 
     @gluon.jit
-    def _act_epilogue(acc, off_m, off_n, N, bias_ptr, out_desc, aux_desc, aux2_desc, stage_bufs, base,
-                      ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr, GATE_UP_B: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, SAVE: gl.constexpr):
+    def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, aux_desc, aux2_desc, stage_bufs, base,
+                      q_bufs, q_base, scale_ptr, amax_ptr, ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr,
+                      GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
         """out = act(acc + bias) and, if SAVE, dh/dz (see linear_act.py) for one tile, through TMA stores
-        of [BM, PART] parts. Gated: acc's columns are [gate | up] for the tile's TN output columns."""
+        of [BM, PART] parts. Gated: acc's columns are [gate | up] for the tile's TN output columns.
+        FP8_OUT (not gated): out quantized, staged in q_bufs[q_base:], its amax over rows < M folded in."""
         BM: gl.constexpr = acc.shape[0]
         BN: gl.constexpr = acc.shape[1]
         TN: gl.constexpr = BN // 2 if GATE_UP_B else BN
@@ -143,6 +148,10 @@ if AVAILABLE:
         else:
             gates = _column_quarters(acc)
             ups = gates
+        if FP8_OUT:
+            scale = gl.load(scale_ptr)
+            rows_ok = gl.expand_dims(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, gates[0].type.layout)) < M, 1)
+            tile_amax = 0.0
         for p in gl.static_range(TN // PART):
             # parts alternate between two sets of staging buffers: the stores of the part before this
             # one may still be reading the other set, those of two parts ago must have left this one
@@ -160,16 +169,26 @@ if AVAILABLE:
                 if SAVE:
                     stage_bufs.index(bufs + 1).store((up * gate_grad).to(aux_desc.dtype))
                     stage_bufs.index(bufs + 2).store((gate * activation_grad(ups[p], UP_ACTIVATION)).to(aux_desc.dtype))
+            elif FP8_OUT:  # (rows past M hold act(bias): kept out of the amax; TMA clips their stores)
+                gate = gl.where(rows_ok, gate, 0.0)
+                tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(gate), axis=1), axis=0))
+                q_bufs.index(q_base + p % 2).store(quantize(gate, scale, out_desc.dtype, False))
+                stage_bufs.index(bufs + 1).store(gate_grad.to(aux_desc.dtype))
             else:
                 stage_bufs.index(bufs).store(gate.to(out_desc.dtype))
                 if SAVE:
                     stage_bufs.index(bufs + 1).store(gate_grad.to(aux_desc.dtype))
             fence_async_shared()  # the warps' shared-memory writes, before the copy engine reads them
-            tma_store(out_desc, [off_m, col], stage_bufs.index(bufs))
+            if FP8_OUT:
+                tma_store(out_desc, [off_m, col], q_bufs.index(q_base + p % 2))
+            else:
+                tma_store(out_desc, [off_m, col], stage_bufs.index(bufs))
             if SAVE:
                 tma_store(aux_desc, [off_m, col], stage_bufs.index(bufs + 1))
                 if GATE_UP_B:
                     tma_store(aux2_desc, [off_m, col], stage_bufs.index(bufs + 2))
+        if FP8_OUT:
+            gl.atomic_max(amax_ptr, tile_amax)
 
     @gluon.jit
     def _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base,
@@ -195,10 +214,11 @@ if AVAILABLE:
                 tma_store(out2_desc, [off_m, off_n + p * PART], stage_bufs.index(base + 4 + p))
 
     @gluon.jit
-    def _consumer(a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, ready,
-                  empty, aux_bar, turn, bias_ptr, dbias_ptr, M, N, K, WHO: gl.constexpr, B_KMAJOR: gl.constexpr,
-                  EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr,
-                  GATED: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr):
+    def _consumer(a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, q_bufs,
+                  ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K, WHO: gl.constexpr,
+                  B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
+                  UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         TN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]  # output columns per tile
@@ -245,8 +265,9 @@ if AVAILABLE:
                 mbarrier.arrive(empty.index((i + k_steps - 1) % S))
 
                 if EPILOGUE == "act":
-                    _act_epilogue(acc, off_m, off_n, N, bias_ptr, out_desc, aux_desc, aux2_desc, stage_bufs, base,
-                                  ACTIVATION, UP_ACTIVATION, GATE_UP_B, HAS_BIAS, SAVE)
+                    _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, aux_desc, aux2_desc, stage_bufs, base,
+                                  q_bufs, 2 * WHO, scale_ptr, amax_ptr, ACTIVATION, UP_ACTIVATION, GATE_UP_B,
+                                  HAS_BIAS, SAVE, FP8_OUT)
                 else:
                     mbarrier.wait(bar, j & 1)
                     _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base,
@@ -257,16 +278,24 @@ if AVAILABLE:
 
     @gluon.jit
     def pingpong_kernel(a_desc, b_desc, b2_desc, out_desc, out2_desc, aux_desc, aux2_desc, bias_ptr, dbias_ptr,
-                        M, N, K, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
-                        UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        SAVE: gl.constexpr, STAGES: gl.constexpr, STAGING: gl.constexpr):
+                        scale_ptr, amax_ptr, M, N, K, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
+                        ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, STAGES: gl.constexpr, STAGING: gl.constexpr,
+                        FP8_OUT: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         # The gated forward's B tile holds the gate rows and the up rows of W for the same output columns.
         GATE_UP_B: gl.constexpr = GATED and EPILOGUE == "act"
         b_shape: gl.constexpr = [b_desc.block_type.shape[0] * (2 if GATE_UP_B else 1), b_desc.block_type.shape[1]]
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_shape, b_desc.layout)
-        stage_bufs = gl.allocate_shared_memory(out_desc.dtype, [STAGING] + out_desc.block_type.shape, out_desc.layout)
+        if FP8_OUT:  # the 16-bit staging tiles hold dh/dz; h's FP8 parts get two small tiles per consumer
+            stage_bufs = gl.allocate_shared_memory(aux_desc.dtype, [STAGING] + aux_desc.block_type.shape,
+                                                   aux_desc.layout)
+            q_bufs = gl.allocate_shared_memory(out_desc.dtype, [4] + out_desc.block_type.shape, out_desc.layout)
+        else:
+            stage_bufs = gl.allocate_shared_memory(out_desc.dtype, [STAGING] + out_desc.block_type.shape,
+                                                   out_desc.layout)
+            q_bufs = stage_bufs
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         aux_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -278,12 +307,12 @@ if AVAILABLE:
             mbarrier.init(aux_bar.index(w), count=1)
             mbarrier.init(turn.index(w), count=1)
         gl.warp_specialize([
-            (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, ready,
-                         empty, aux_bar, turn, bias_ptr, dbias_ptr, M, N, K, 0, B_KMAJOR, EPILOGUE, ACTIVATION,
-                         UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE)),
-            (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, ready,
-                         empty, aux_bar, turn, bias_ptr, dbias_ptr, M, N, K, 1, B_KMAJOR, EPILOGUE, ACTIVATION,
-                         UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE)),
+            (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
+                         q_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K, 0,
+                         B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT)),
+            (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
+                         q_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K, 1,
+                         B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT)),
             (_loader, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR, GATE_UP_B)),
         ], PARTITION_WARPS, PARTITION_REGS)
 
@@ -325,10 +354,14 @@ def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv",
+              torch.float8_e5m2: "float8e5"}
+
+
 @functools.lru_cache(maxsize=None)
 def _shared_layout(rows, cols, dtype):
     """The swizzled shared-memory layout of a [rows, cols] tile (asked once: it sits on every launch's path)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], getattr(gl, _GL_DTYPES[dtype]))
 
 
 class _Address:
@@ -364,7 +397,7 @@ def _descriptor(t, block):
 
 
 @functools.lru_cache(maxsize=None)
-def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE):
+def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, FP8_OUT=False):
     """(block of each descriptor in the kernel's order, output columns per tile, all the constexprs) of a
     variant: fixed per variant, so worked out once."""
     gate_up_b = GATED and EPILOGUE == "act"
@@ -374,14 +407,14 @@ def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS
     stages, staging = SHARED_MEMORY_PLAN[EPILOGUE, GATED]
     consts = types.MappingProxyType(dict(  # read-only: every launch of the variant shares it
         B_KMAJOR=b_kmajor, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION, UP_ACTIVATION=UP_ACTIVATION, GATED=GATED,
-        HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging))
+        HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging, FP8_OUT=FP8_OUT))
     return ((BLOCK_M, BLOCK_K), b_block, b_block, part, part, part, part), tn, consts
 
 
 _compiled = {}  # (dtype, constexprs, which descriptors are None, specialization) -> compiled kernel (see _run)
 
 
-def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None, **consts):
+def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None, scale=None, amax=None, **consts):
     """out = epilogue(a @ B) with B = b.T (b_kmajor) or b. Gated, the second half of each pair (b2: the up
     rows of W, out2 / aux2: the up half of grad / saved) is its own tensor, a view cut at N. What a variant
     does not read or write is None (aux when the forward saves nothing, the halves when not gated): fewer
@@ -390,7 +423,7 @@ def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None
     N = out.shape[1]
     blocks, tn, consts = _blocks_and_consts(b_kmajor, **consts)
     descs = [None if t is None else _descriptor(t, block) for t, block in zip((a, b, b2, out, out2, aux, aux2), blocks)]
-    _run((*descs, bias, dbias, M, N, K), consts, cdiv(M, BLOCK_M) * cdiv(N, tn), a.device)
+    _run((*descs, bias, dbias, scale, amax, M, N, K), consts, cdiv(M, BLOCK_M) * cdiv(N, tn), a.device)
 
 
 def _run(args, consts, tiles, device):
@@ -442,6 +475,35 @@ def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, 
             _launch(x, weight, out, saved if save else None, bias, None, True, **consts)
     except Exception as e:  # compiling or launching: see _fails
         _fails(e)
+        return False
+    return True
+
+
+FP8_FAILURE = None  # the exception that turned the FP8 output off (the 16-bit kernels keep running), if one did
+
+
+def usable_fp8(x, weight, bias, gated):
+    """Whether linear_act_forward_fp8 can run: the forward's conditions, not gated (its staging tiles would not
+    fit beside the gated forward's), and the FP8 variant not failed before."""
+    return (FP8_FAILURE is None and FAILURE is None and not gated and weight.shape[0] % 16 == 0  # (h8's rows: TMA)
+            and usable(x, (weight,), (bias,)))
+
+
+def linear_act_forward_fp8(x, weight, bias, activation, h8, saved, scale, amax):
+    """h8 = fp8(act(x @ weight.T + bias) · scale[0]) with amax[0] = max(amax[0], max |h|), and saved = dh/dz, for
+    2-D x (not gated). Returns False if the kernel failed (now or before): the caller then runs the 16-bit kernel
+    and casts. A failure here turns off this variant only, with one warning."""
+    global FP8_FAILURE
+    if FP8_FAILURE is not None or FAILURE is not None:
+        return False
+    consts = dict(EPILOGUE="act", ACTIVATION=activation, UP_ACTIVATION="identity", GATED=False,
+                  HAS_BIAS=bias is not None, SAVE=True, FP8_OUT=True)
+    try:
+        _launch(x, weight, h8, saved, bias, None, True, scale=scale, amax=amax, **consts)
+    except Exception as e:
+        FP8_FAILURE = e
+        warnings.warn(f"the Hopper ping-pong kernel's FP8 output failed ({type(e).__name__}: {e}); h is cast by a "
+                      "separate pass instead for the rest of this process", FallbackWarning, stacklevel=2)
         return False
     return True
 

@@ -44,6 +44,11 @@ t = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)
 rows = 2 * N if gated else N
 if op == "forward":
     pp.linear_act_forward(t(M, K), t(rows, K), t(rows) if bias else None, act, up_act, gated, bias, t(M, N), t(M, rows))
+elif op == "forward_fp8":
+    scalar = torch.ones(1)
+    N = 512  # (an FP8 row must be a multiple of 16 bytes)
+    pp.linear_act_forward_fp8(t(M, K), t(N, K), t(N) if bias else None, act, torch.empty(M, N, dtype=torch.float8_e4m3fn),
+                              t(M, N), scalar, scalar)
 else:
     pp.dgrad(t(M, K), t(K, N), t(M, rows), t(M, rows), gated, bias)
 """
@@ -54,6 +59,7 @@ else:
 @pytest.mark.parametrize("op,act,up_act,gated,bias", [
     ("forward", "gelu", "identity", 0, 1), ("forward", "relu2", "identity", 0, 0),
     ("forward", "silu", "identity", 1, 1), ("forward", "sigmoid", "tanh", 1, 0),
+    ("forward_fp8", "gelu", "identity", 0, 1), ("forward_fp8", "relu2", "identity", 0, 0),
     ("dgrad", "identity", "identity", 0, 1), ("dgrad", "identity", "identity", 0, 0),
     ("dgrad", "identity", "identity", 1, 1)])
 def test_compiles_for_hopper(op, act, up_act, gated, bias):
@@ -303,3 +309,39 @@ def test_failed_pingpong_compile_falls_back_on_gpu(monkeypatch):
     assert len(caught) == 1 and pingpong.FAILURE is not None
     for e, g in zip(expected, got):
         assert torch.equal(g, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("act", ["gelu", "relu2"])
+def test_forward_fp8_output(act):
+    """The FP8 output (the FP8 MLP's h8): fp8(h · scale) of the fp32 h, within one FP8 step of torch's quantization
+    of the same h computed in float64 (and equal almost everywhere), NaN in NaN's rows; dh/dz as the 16-bit
+    variant writes it; the amax over the real rows only. Here the rows past M = 1000 (zeros in, act(bias) out)
+    would give act(bias) (3 for GELU, 18 for relu²) where the real rows' amax is several times smaller."""
+    E4M3 = torch.float8_e4m3fn
+    M, K, N = 1000, 256, 512
+    g = torch.Generator("cuda").manual_seed(0)
+    x = (torch.rand(M, K, device="cuda", generator=g) + 0.5).bfloat16()  # positive, so that x @ W.T < -3
+    w = (-(torch.rand(N, K, device="cuda", generator=g) + 0.5) * (4 / K)).bfloat16()
+    b = torch.full((N,), 3.0 if act == "gelu" else 4.25, device="cuda", dtype=torch.bfloat16)
+    x[5, 3] = float("nan")
+    scale, amax = torch.tensor([100.0 if act == "gelu" else 20.0], device="cuda"), torch.zeros(1, device="cuda")
+    h8 = torch.empty(M, N, device="cuda", dtype=E4M3)
+    saved = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    assert pingpong.linear_act_forward_fp8(x, w, b, act, h8, saved, scale, amax)
+    z = x.double() @ w.double().t() + b.double()
+    f = {"gelu": torch.nn.functional.gelu, "relu2": lambda v: torch.relu(v) ** 2}[act]
+    h = f(z)
+    ref = (h * scale.item()).clamp(-448, 448).to(E4M3).double()
+    ours = h8.double()
+    assert ours[5].isnan().all() and not ours[torch.arange(M) != 5].isnan().any()
+    rows = torch.arange(M, device="cuda") != 5
+    diff = (ours - ref)[rows].abs()
+    assert (diff <= ref[rows].abs() / 8 + 2 ** -9).all()  # one step: e4m3 has 3 mantissa bits (2^-9: subnormals)
+    assert (diff == 0).float().mean() > 0.95
+    want = h[rows].abs().max().item()
+    assert 0 < want < f(b[0].double()).item() / 3 and amax.item() == pytest.approx(want, rel=1e-2)
+    h16, saved16 = torch.empty(M, N, device="cuda", dtype=torch.bfloat16), torch.empty_like(saved)
+    assert pingpong.linear_act_forward(x, w, b, act, "identity", False, True, h16, saved16)
+    assert torch.equal(saved[rows], saved16[rows])

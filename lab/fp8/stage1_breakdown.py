@@ -21,6 +21,21 @@ def bench(fn):
     return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def pingpong_fp8(x2, w1, activation, state, transpose=True):
+    """(h8, h8ᵀ or None, dh/dz) from the ping-pong forward's FP8 epilogue (fused_ops/pingpong.py), or None where
+    it does not run (not Hopper, gated)."""
+    from fused_ops import pingpong
+    if not pingpong.usable_fp8(x2, w1, None, activation == "swiglu"):
+        return None
+    M, N = x2.shape[0], w1.shape[0]
+    h8 = torch.empty((M, N), device=x2.device, dtype=E4M3)
+    saved = torch.empty((M, N), device=x2.device, dtype=x2.dtype)
+    if not pingpong.linear_act_forward_fp8(x2, w1, None, activation, h8, saved, state.scale[fp8.H:],
+                                           state.amax[fp8.H:]):
+        return None
+    return h8, (fp8.transpose_fp8(h8, fp8._padded(M), state) if transpose else None), saved
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--M", type=int, default=12288)
@@ -49,9 +64,16 @@ def main():
     h_bf16, saved_bf16 = linear_act_forward(x2, w1, None, a.activation)
     gz_bf16, _ = linear_act_dgrad(gy, w2, saved_bf16, a.activation, bias_grad=False)
     q = lambda t, s, d: (t.float() * s).clamp(-FP8_MAX[d], FP8_MAX[d]).to(d).float()
+    state.amax.zero_()
+    pp_fp8 = pingpong_fp8(x2, w1, a.activation, state)  # (h8 quantized from fp32 in the ping-pong epilogue)
+    amax_before = state.amax[fp8.H].item()
     checks = {"h8": (h8.float(), q(h_bf16, scale[1], E4M3)), "h8T": (ht8[:, :a.M].t().float(), q(h_bf16, scale[1], E4M3)),
               "x8T": (xt8[:, :a.M].t().float(), q(x2, scale[0], E4M3)), "gy8T": (gyt8[:, :a.M].t().float(), q(gy, scale[2], E5M2)),
               "gz8": (gz8.float(), q(gz_bf16, scale[3], E5M2)), "gz8T": (gzt8[:, :a.M].t().float(), q(gz_bf16, scale[3], E5M2))}
+    if pp_fp8 is not None:
+        checks["h8 pp"] = (pp_fp8[0].float(), q(h_bf16, scale[1], E4M3))
+        checks["h8T pp"] = (pp_fp8[1][:, :a.M].t().float(), q(h_bf16, scale[1], E4M3))
+        print(f"ping-pong FP8 epilogue: amax {amax_before:.6g}, max |h| of the bf16 kernel {h_bf16.float().abs().max().item():.6g}")
     print("scales", [f"{s:.4g}" for s in scale.tolist()])
     for name, (ours, ref) in checks.items():
         bad = ~torch.isfinite(ours)
@@ -66,6 +88,8 @@ def main():
         "FP8 fwd kernel (bf16 loop, h8 + h8T + dh/dz)": lambda: fp8.fp8_linear_act(x2, w1, None, a.activation, state),
         "bf16 fwd (ping-pong) then cast+T h (h8 + h8T)": lambda: fp8.cast_transpose(
             linear_act_forward(x2, w1, None, a.activation)[0], state, fp8.H, row_major=True),
+        "FP8 fwd kernel (ping-pong, h8 + dh/dz)": lambda: pingpong_fp8(x2, w1, a.activation, state, transpose=False),
+        "FP8 fwd (ping-pong h8) then T h8": lambda: pingpong_fp8(x2, w1, a.activation, state),
         "bf16 dgrad kernel (ping-pong)": lambda: linear_act_dgrad(gy, w2, saved_bf16, a.activation, bias_grad=False),
         "FP8 dgrad kernel (bf16 loop, gz8 + gz8T)": lambda: fp8.fp8_dgrad(gy, w2, saved, a.activation, state, False),
         "bf16 dgrad (ping-pong) then cast+T gz": lambda: fp8.cast_transpose(
@@ -94,11 +118,10 @@ def main():
     # FP8 with h / gz from the Triton kernels' FP8 stores, or from the bf16 ping-pong kernels + one cast pass
     # (fp8_autograd.SEPARATE_CAST: forward, dgrad): the choice is made when the graph is captured
     # (and the cast pass's tile: fp8.CAST_TILE, also read when the graph is captured)
+    # (and whether the ping-pong forward writes h8 itself: fp8_autograd.PINGPONG_FP8)
     tiles = dict(fp8.CAST_TILE)
-    before = {True: (64, 64, 4), False: (64, 64, 4)}
-    variants = {"bf16 fused": None, "FP8 Triton epilogues": (False, False, tiles),
-                "FP8 separate fwd+dgrad, 4-warp casts": (True, True, before),
-                "FP8 separate fwd+dgrad": (True, True, tiles)}
+    variants = {"bf16 fused": None, "FP8 separate fwd+dgrad": (True, True, tiles, False),
+                "FP8 ping-pong h8, separate dgrad": (True, True, tiles, True)}
     base = MLP(cfg)
     replays = {}
     for k, separate in variants.items():
@@ -107,6 +130,7 @@ def main():
         if separate is not None:
             fp8_autograd.SEPARATE_CAST.update(forward=separate[0], dgrad=separate[1])
             fp8.CAST_TILE = separate[2]
+            fp8_autograd.PINGPONG_FP8["forward"] = separate[3]
         replays[k] = bench_mlp.graphed_fwd_bwd(m.to(dev, dt), x2, gy)[0]
     fp8.CAST_TILE = tiles
     times = {k: [] for k in replays}

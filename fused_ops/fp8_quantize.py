@@ -1,0 +1,48 @@
+"""FP8 quantization as every kernel does it: fp8(v · scale), saturating, NaN for NaN and ±inf (fp8.py's docstring
+says why). Its own file because two kernel families use it: fp8.py's Triton kernels and pingpong.py's Gluon
+epilogue.
+
+Under the Triton interpreter (CPU tests), whose float -> FP8 conversion mis-rounds values that carry into the next
+binade and turns NaN into 384, the FP8 encoding is done by hand (_encode_fp8); on a GPU the hardware conversion
+(round to nearest even) does it.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _encode_fp8(v, OUT: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """The interpreter's FP8 conversion, done by hand: v (finite values within range, or NaN) rounded to nearest
+    even on the grid of the format with MANTISSA bits and exponent bias BIAS, encoded bit by bit."""
+    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 1 - BIAS)  # subnormals: 1 - BIAS
+    ulp = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    steps = (tl.abs(v) / ulp + 12582912.0) - 12582912.0  # 1.5 * 2**23: the fp32 addition rounds to an integer
+    steps = tl.where(v != v, 0.0, steps)  # (NaN is encoded below)
+    r = steps * ulp  # |v| on the grid; the bits of its fp32 encoding give the FP8 fields
+    bits = r.to(tl.int32, bitcast=True)
+    r_exp = ((bits >> 23) & 0xFF) - 127
+    normal = r >= MIN_NORMAL  # 2**(1 - BIAS)
+    field = tl.where(normal, ((r_exp + BIAS) << MANTISSA) | ((bits >> (23 - MANTISSA)) & ((1 << MANTISSA) - 1)),
+                     steps.to(tl.int32))
+    code = tl.where(v != v, 0x7F, field | tl.where(v < 0, 0x80, 0))  # 0x7F: NaN in both formats
+    return code.to(tl.uint8).to(OUT, bitcast=True)
+
+
+@triton.jit
+def quantize(v, scale, OUT: tl.constexpr, EMULATE: tl.constexpr):
+    """fp8(v · scale), saturating finite values, NaN for NaN and ±inf (see the module docstring)."""
+    if OUT == tl.float8e4nv:
+        fp8_max: tl.constexpr = 448.0
+    else:
+        fp8_max: tl.constexpr = 57344.0
+    t = v * scale
+    q = tl.minimum(tl.maximum(t, -fp8_max, propagate_nan=tl.PropagateNan.ALL), fp8_max,
+                   propagate_nan=tl.PropagateNan.ALL)
+    q = tl.where(tl.abs(t) == float("inf"), float("nan"), q)
+    if EMULATE:
+        if OUT == tl.float8e4nv:
+            return _encode_fp8(q, OUT, 3, 7, 0.015625)
+        else:
+            return _encode_fp8(q, OUT, 2, 15, 6.103515625e-05)
+    return q.to(OUT)
