@@ -25,7 +25,7 @@ from torch import Tensor
 from .activations import kernel_activations
 from .dgrad import linear_act_dgrad
 from .fp8 import (E4M3, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose, check_fp8_device,
-                  fp8_dgrad, fp8_linear_act, quantize_weight, transpose_fp8, update_scales)
+                  fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
 from .linear_act import linear_act_forward
 from .ops import fused_op
 from . import pingpong
@@ -35,8 +35,8 @@ from . import pingpong
 # FP8 stores: those lose more to their slower main loop and epilogue than the extra pass costs
 # (results/fp8_stage1_h100.txt). The ping-pong kernels writing FP8 themselves would save that pass too.
 SEPARATE_CAST = {"forward": True, "dgrad": True}
-# Better still, the ping-pong forward quantizes h in its own epilogue (pingpong.linear_act_forward_fp8: FP8 h out,
-# the amax folded in), leaving only the transposed copy to a pass over FP8 bytes (transpose_fp8). Not gated.
+# Better still, the ping-pong forward quantizes h in its own epilogue (pingpong.linear_act_forward_fp8: h8 and h8ᵀ
+# out, the amax folded in), with no pass after it. Not gated.
 PINGPONG_FP8 = {"forward": True}
 
 
@@ -55,10 +55,11 @@ def _pingpong_fp8_forward(x2, w_fc, b_fc, hidden, activation, state):
         return None
     M = x2.shape[0]
     h8 = torch.empty((M, hidden), device=x2.device, dtype=E4M3)
+    h8t = torch.empty((hidden, _padded(M)), device=x2.device, dtype=E4M3)
     saved = torch.empty((M, w_fc.shape[0]), device=x2.device, dtype=w_fc.dtype)
-    if not pingpong.linear_act_forward_fp8(x2, w_fc, b_fc, act, h8, saved, state.scale[H:], state.amax[H:]):
+    if not pingpong.linear_act_forward_fp8(x2, w_fc, b_fc, act, h8, h8t, saved, state.scale[H:], state.amax[H:]):
         return None
-    return h8, transpose_fp8(h8, _padded(M), state), saved
+    return h8, h8t, saved
 
 
 def _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):

@@ -15,7 +15,9 @@ The epilogue is a compile-time choice:
   "act": bias + activation, and the derivative dh/dz backward needs (SAVE): linear_act's forward;
          with FP8_OUT, h leaves quantized instead (the FP8 MLP, fp8.py: fp8(h · scale) with the delayed scale
          read from scale_ptr, each tile's amax folded into amax_ptr with an atomic max, as the Triton FP8
-         epilogues do), from fp32 registers: half the bytes of a 16-bit h, and no separate cast pass;
+         epilogues do), from fp32 registers, twice: row-major, and transposed (hᵀ, for the weight gradient's
+         FP8 GEMM, which takes only K-major operands) through a permuted copy in shared memory; no cast or
+         transpose pass is left;
   "mul": times a saved tensor read through TMA, plus this tile's column sums for the bias gradient:
          the dgrad.
 Gated activations: in the forward each B tile holds 64 gate rows and 64 up rows of W for the same 64
@@ -122,18 +124,19 @@ if AVAILABLE:
                 i += 1
 
     @gluon.jit
-    def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, aux_desc, aux2_desc, stage_bufs, base,
-                      q_bufs, q_base, scale_ptr, amax_ptr, ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr,
+    def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc, stage_bufs, base,
+                      q_bufs, qt_bufs, q_base, scale_ptr, amax_ptr, ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr,
                       GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
         """out = act(acc + bias) and, if SAVE, dh/dz (see linear_act.py) for one tile, through TMA stores
         of [BM, PART] parts. Gated: acc's columns are [gate | up] for the tile's TN output columns.
-        FP8_OUT (not gated): out quantized, staged in q_bufs[q_base:], its amax over rows < M folded in."""
+        FP8_OUT (not gated): out quantized, staged in q_bufs[q_base:], and its transpose through qt_bufs to
+        out2_desc (rows M..Mp of it zeros), its amax over rows < M folded in."""
         BM: gl.constexpr = acc.shape[0]
         BN: gl.constexpr = acc.shape[1]
         TN: gl.constexpr = BN // 2 if GATE_UP_B else BN
         PART: gl.constexpr = out_desc.block_type.shape[1]
         PER_PART: gl.constexpr = 3 if GATE_UP_B else 2  # staging buffers of one part: h, dh/dgate[, dh/dup]
-        STORES: gl.constexpr = 1 + (PER_PART - 1) * SAVE  # the TMA stores one part issues
+        STORES: gl.constexpr = 3 if FP8_OUT else 1 + (PER_PART - 1) * SAVE  # the TMA stores one part issues
         if HAS_BIAS:  # gated: acc column c is output off_n + c % TN of the gate (c < TN) or up half (N further)
             c = gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
             cols = off_n + c % TN
@@ -172,7 +175,9 @@ if AVAILABLE:
             elif FP8_OUT:  # (rows past M hold act(bias): kept out of the amax; TMA clips their stores)
                 gate = gl.where(rows_ok, gate, 0.0)
                 tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(gate), axis=1), axis=0))
-                q_bufs.index(q_base + p % 2).store(quantize(gate, scale, out_desc.dtype, False))
+                q = quantize(gate, scale, out_desc.dtype, False)
+                q_bufs.index(q_base + p % 2).store(q)
+                qt_bufs.index(q_base + p % 2).store(gl.permute(q, (1, 0)))
                 stage_bufs.index(bufs + 1).store(gate_grad.to(aux_desc.dtype))
             else:
                 stage_bufs.index(bufs).store(gate.to(out_desc.dtype))
@@ -181,6 +186,7 @@ if AVAILABLE:
             fence_async_shared()  # the warps' shared-memory writes, before the copy engine reads them
             if FP8_OUT:
                 tma_store(out_desc, [off_m, col], q_bufs.index(q_base + p % 2))
+                tma_store(out2_desc, [col, off_m], qt_bufs.index(q_base + p % 2))
             else:
                 tma_store(out_desc, [off_m, col], stage_bufs.index(bufs))
             if SAVE:
@@ -215,7 +221,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, q_bufs,
-                  ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K, WHO: gl.constexpr,
+                  qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K, WHO: gl.constexpr,
                   B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
                   UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr,
                   SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
@@ -265,8 +271,8 @@ if AVAILABLE:
                 mbarrier.arrive(empty.index((i + k_steps - 1) % S))
 
                 if EPILOGUE == "act":
-                    _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, aux_desc, aux2_desc, stage_bufs, base,
-                                  q_bufs, 2 * WHO, scale_ptr, amax_ptr, ACTIVATION, UP_ACTIVATION, GATE_UP_B,
+                    _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc,
+                                  stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale_ptr, amax_ptr, ACTIVATION, UP_ACTIVATION, GATE_UP_B,
                                   HAS_BIAS, SAVE, FP8_OUT)
                 else:
                     mbarrier.wait(bar, j & 1)
@@ -292,10 +298,12 @@ if AVAILABLE:
             stage_bufs = gl.allocate_shared_memory(aux_desc.dtype, [STAGING] + aux_desc.block_type.shape,
                                                    aux_desc.layout)
             q_bufs = gl.allocate_shared_memory(out_desc.dtype, [4] + out_desc.block_type.shape, out_desc.layout)
+            qt_bufs = gl.allocate_shared_memory(out2_desc.dtype, [4] + out2_desc.block_type.shape, out2_desc.layout)
         else:
             stage_bufs = gl.allocate_shared_memory(out_desc.dtype, [STAGING] + out_desc.block_type.shape,
                                                    out_desc.layout)
             q_bufs = stage_bufs
+            qt_bufs = stage_bufs
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         aux_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -308,11 +316,13 @@ if AVAILABLE:
             mbarrier.init(turn.index(w), count=1)
         gl.warp_specialize([
             (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
-                         q_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K, 0,
-                         B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT)),
+                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N,
+                         K, 0, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE,
+                         FP8_OUT)),
             (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
-                         q_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K, 1,
-                         B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT)),
+                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N,
+                         K, 1, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE,
+                         FP8_OUT)),
             (_loader, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR, GATE_UP_B)),
         ], PARTITION_WARPS, PARTITION_REGS)
 
@@ -405,10 +415,11 @@ def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS
     b_block = (tn, BLOCK_K) if b_kmajor else (BLOCK_K, tn)
     part = (BLOCK_M, PART)
     stages, staging = SHARED_MEMORY_PLAN[EPILOGUE, GATED]
+    out2 = (PART, BLOCK_M) if FP8_OUT else part  # (FP8_OUT: out2 is outᵀ)
     consts = types.MappingProxyType(dict(  # read-only: every launch of the variant shares it
         B_KMAJOR=b_kmajor, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION, UP_ACTIVATION=UP_ACTIVATION, GATED=GATED,
         HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging, FP8_OUT=FP8_OUT))
-    return ((BLOCK_M, BLOCK_K), b_block, b_block, part, part, part, part), tn, consts
+    return ((BLOCK_M, BLOCK_K), b_block, b_block, part, out2, part, part), tn, consts
 
 
 _compiled = {}  # (dtype, constexprs, which descriptors are None, specialization) -> compiled kernel (see _run)
@@ -489,9 +500,9 @@ def usable_fp8(x, weight, bias, gated):
             and usable(x, (weight,), (bias,)))
 
 
-def linear_act_forward_fp8(x, weight, bias, activation, h8, saved, scale, amax):
-    """h8 = fp8(act(x @ weight.T + bias) · scale[0]) with amax[0] = max(amax[0], max |h|), and saved = dh/dz, for
-    2-D x (not gated). Returns False if the kernel failed (now or before): the caller then runs the 16-bit kernel
+def linear_act_forward_fp8(x, weight, bias, activation, h8, h8t, saved, scale, amax):
+    """h8 = fp8(act(x @ weight.T + bias) · scale[0]) (M, N), h8t its transpose (N, Mp >= M, columns past M
+    zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz, for 2-D x (not gated). Returns False if the kernel failed (now or before): the caller then runs the 16-bit kernel
     and casts. A failure here turns off this variant only, with one warning."""
     global FP8_FAILURE
     if FP8_FAILURE is not None or FAILURE is not None:
@@ -499,7 +510,7 @@ def linear_act_forward_fp8(x, weight, bias, activation, h8, saved, scale, amax):
     consts = dict(EPILOGUE="act", ACTIVATION=activation, UP_ACTIVATION="identity", GATED=False,
                   HAS_BIAS=bias is not None, SAVE=True, FP8_OUT=True)
     try:
-        _launch(x, weight, h8, saved, bias, None, True, scale=scale, amax=amax, **consts)
+        _launch(x, weight, h8, saved, bias, None, True, out2=h8t, scale=scale, amax=amax, **consts)
     except Exception as e:
         FP8_FAILURE = e
         warnings.warn(f"the Hopper ping-pong kernel's FP8 output failed ({type(e).__name__}: {e}); h is cast by a "

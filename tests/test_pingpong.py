@@ -47,8 +47,9 @@ if op == "forward":
 elif op == "forward_fp8":
     scalar = torch.ones(1)
     N = 512  # (an FP8 row must be a multiple of 16 bytes)
-    pp.linear_act_forward_fp8(t(M, K), t(N, K), t(N) if bias else None, act, torch.empty(M, N, dtype=torch.float8_e4m3fn),
-                              t(M, N), scalar, scalar)
+    fp8 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)
+    pp.linear_act_forward_fp8(t(M, K), t(N, K), t(N) if bias else None, act, fp8(M, N), fp8(N, 1008), t(M, N), scalar,
+                              scalar)
 else:
     pp.dgrad(t(M, K), t(K, N), t(M, rows), t(M, rows), gated, bias)
 """
@@ -315,8 +316,9 @@ def test_failed_pingpong_compile_falls_back_on_gpu(monkeypatch):
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("act", ["gelu", "relu2"])
 def test_forward_fp8_output(act):
-    """The FP8 output (the FP8 MLP's h8): fp8(h · scale) of the fp32 h, within one FP8 step of torch's quantization
-    of the same h computed in float64 (and equal almost everywhere), NaN in NaN's rows; dh/dz as the 16-bit
+    """The FP8 output (the FP8 MLP's h8 and h8ᵀ): fp8(h · scale) of the fp32 h, within one FP8 step of torch's
+    quantization of the same h computed in float64 (and equal almost everywhere), NaN in NaN's rows, the
+    transposed copy bit for bit the same with zero columns from M to its padded width; dh/dz as the 16-bit
     variant writes it; the amax over the real rows only. Here the rows past M = 1000 (zeros in, act(bias) out)
     would give act(bias) (3 for GELU, 18 for relu²) where the real rows' amax is several times smaller."""
     E4M3 = torch.float8_e4m3fn
@@ -328,8 +330,11 @@ def test_forward_fp8_output(act):
     x[5, 3] = float("nan")
     scale, amax = torch.tensor([100.0 if act == "gelu" else 20.0], device="cuda"), torch.zeros(1, device="cuda")
     h8 = torch.empty(M, N, device="cuda", dtype=E4M3)
+    h8t = torch.full((N, 1008), 1.0, device="cuda").to(E4M3)  # (1008: M padded to 16, as fp8.py pads)
     saved = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    assert pingpong.linear_act_forward_fp8(x, w, b, act, h8, saved, scale, amax)
+    assert pingpong.linear_act_forward_fp8(x, w, b, act, h8, h8t, saved, scale, amax)
+    assert torch.equal(h8t[:, :M].t().view(torch.uint8), h8.view(torch.uint8))  # bit for bit, NaNs too
+    assert (h8t[:, M:].float() == 0).all()
     z = x.double() @ w.double().t() + b.double()
     f = {"gelu": torch.nn.functional.gelu, "relu2": lambda v: torch.relu(v) ** 2}[act]
     h = f(z)
