@@ -24,8 +24,8 @@ from torch import Tensor
 
 from .activations import kernel_activations
 from .dgrad import linear_act_dgrad
-from .fp8 import (E4M3, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose, check_fp8_device,
-                  fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
+from .fp8 import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose,
+                  check_fp8_device, fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
 from .linear_act import linear_act_forward
 from .ops import fused_op
 from . import pingpong
@@ -35,9 +35,9 @@ from . import pingpong
 # FP8 stores: those lose more to their slower main loop and epilogue than the extra pass costs
 # (results/fp8_stage1_h100.txt). The ping-pong kernels writing FP8 themselves would save that pass too.
 SEPARATE_CAST = {"forward": True, "dgrad": True}
-# Better still, the ping-pong forward quantizes h in its own epilogue (pingpong.linear_act_forward_fp8: h8 and h8ᵀ
-# out, the amax folded in), with no pass after it. Not gated.
-PINGPONG_FP8 = {"forward": True}
+# Better still, the ping-pong kernels quantize h and gz in their own epilogues (pingpong.linear_act_forward_fp8 and
+# dgrad_fp8: h8 and h8ᵀ, gz8 and gz8ᵀ out, the amax folded in), with no pass after them. Not gated.
+PINGPONG_FP8 = {"forward": True, "dgrad": True}
 
 
 def _cast_after_forward(x2, w_fc, b_fc, activation):
@@ -51,7 +51,7 @@ def _pingpong_fp8_forward(x2, w_fc, b_fc, hidden, activation, state):
     """(h8, h8ᵀ, dh/dz) with h8 from the ping-pong forward's FP8 epilogue, or None where that cannot run (or
     failed: then the paths below, for the rest of the process)."""
     act, _, gated = kernel_activations(activation)
-    if not (PINGPONG_FP8["forward"] and pingpong.usable_fp8(x2, w_fc, b_fc, gated)):
+    if not (PINGPONG_FP8["forward"] and pingpong.usable_fp8(x2, (w_fc,), (b_fc,), gated, hidden)):
         return None
     M = x2.shape[0]
     h8 = torch.empty((M, hidden), device=x2.device, dtype=E4M3)
@@ -60,6 +60,19 @@ def _pingpong_fp8_forward(x2, w_fc, b_fc, hidden, activation, state):
     if not pingpong.linear_act_forward_fp8(x2, w_fc, b_fc, act, h8, h8t, saved, state.scale[H:], state.amax[H:]):
         return None
     return h8, h8t, saved
+
+
+def _pingpong_fp8_dgrad(gy, w_proj, saved, activation, state, bias_grad):
+    """(gz8, gz8ᵀ, the bias gradient or None) with gz8 from the ping-pong dgrad's FP8 epilogue, or None as above."""
+    gated = kernel_activations(activation)[2]
+    if not (PINGPONG_FP8["dgrad"] and pingpong.usable_fp8(gy, (w_proj, saved), (), gated, saved.shape[1])):
+        return None
+    M, width = gy.shape[0], saved.shape[1]
+    gz8 = torch.empty((M, width), device=gy.device, dtype=E5M2)
+    gz8t = torch.empty((width, _padded(M)), device=gy.device, dtype=E5M2)
+    ok, grad_b_fc = pingpong.dgrad_fp8(gy, w_proj, saved, gz8, gz8t, bias_grad, state.scale[GRAD_Z:],
+                                       state.amax[GRAD_Z:])
+    return (gz8, gz8t, grad_b_fc) if ok else None
 
 
 def _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):
@@ -119,7 +132,10 @@ def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activatio
     it is asked for (a frozen weight's GEMM is skipped); then the scales move on (update_scales)."""
     calibrate = not state.calibrated
     gy, gyt8 = _rows_and_transposed_copy(grad_y, state, GRAD_Y)
-    if calibrate or _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):
+    from_epilogue = None if calibrate else _pingpong_fp8_dgrad(gy, w_proj, saved, activation, state, bias_grad)
+    if from_epilogue is not None:
+        gz8, gzt8, grad_b_fc = from_epilogue
+    elif calibrate or _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):
         gz, grad_b_fc = linear_act_dgrad(gy, w_proj, saved, activation, bias_grad=bias_grad)
         if calibrate:
             _set_current_scale(state, GRAD_Z, gz)

@@ -19,7 +19,7 @@ The epilogue is a compile-time choice:
          FP8 GEMM, which takes only K-major operands) through a permuted copy in shared memory; no cast or
          transpose pass is left;
   "mul": times a saved tensor read through TMA, plus this tile's column sums for the bias gradient:
-         the dgrad.
+         the dgrad; with FP8_OUT (not gated), grad_z leaves quantized and transposed the same way (e5m2).
 Gated activations: in the forward each B tile holds 64 gate rows and 64 up rows of W for the same 64
 output columns, so one MMA gives both halves (split in registers); the dgrad multiplies one grad_h tile
 by both saved halves. Outputs leave through TMA stores from staging tiles, 32 columns at a time.
@@ -125,7 +125,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc, stage_bufs, base,
-                      q_bufs, qt_bufs, q_base, scale_ptr, amax_ptr, ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr,
+                      q_bufs, qt_bufs, q_base, scale_ptr, amax_ptr, ACTIVATION: gl.constexpr,
+                      UP_ACTIVATION: gl.constexpr,
                       GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
         """out = act(acc + bias) and, if SAVE, dh/dz (see linear_act.py) for one tile, through TMA stores
         of [BM, PART] parts. Gated: acc's columns are [gate | up] for the tile's TN output columns.
@@ -198,30 +199,52 @@ if AVAILABLE:
 
     @gluon.jit
     def _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base,
-                      GATED: gl.constexpr, HAS_BIAS: gl.constexpr):
+                      q_bufs, qt_bufs, q_base, scale_ptr, amax_ptr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      FP8_OUT: gl.constexpr):
         """grad = acc * saved for one tile, the saved parts already in stage_bufs[base:] (gated: the
         dh/dgate parts, then the dh/dup parts), written back there and stored; with HAS_BIAS each
-        column's sum over the tile's rows to row pid_m of the bias-gradient partials."""
+        column's sum over the tile's rows to row pid_m of the bias-gradient partials. FP8_OUT (not gated):
+        grad quantized part by part through q_bufs / qt_bufs (two of each per consumer, alternating) to
+        out_desc and, transposed, out2_desc; its amax folded in (rows past M are zeros: grad_y's are)."""
         PART: gl.constexpr = out_desc.block_type.shape[1]
         HALVES: gl.constexpr = 2 if GATED else 1
         parts = _column_quarters(acc)
-        for half in gl.static_range(HALVES):
+        if FP8_OUT:
+            scale = gl.load(scale_ptr)
+            tile_amax = 0.0
             for p in gl.static_range(4):
-                buf = stage_bufs.index(base + 4 * half + p)
-                grad = parts[p] * buf.load(parts[p].type.layout).to(gl.float32)
-                buf.store(grad.to(out_desc.dtype))
-                if HAS_BIAS:  # rows past M were loaded as zeros
+                grad = parts[p] * stage_bufs.index(base + p).load(parts[p].type.layout).to(gl.float32)
+                if HAS_BIAS:
                     offs = off_n + p * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, grad.type.layout))
-                    gl.store(dbias_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
-        fence_async_shared()
-        for p in gl.static_range(4):
-            tma_store(out_desc, [off_m, off_n + p * PART], stage_bufs.index(base + p))
-            if GATED:
-                tma_store(out2_desc, [off_m, off_n + p * PART], stage_bufs.index(base + 4 + p))
+                    gl.store(dbias_ptr + pid_m * N + offs, gl.sum(grad, axis=0), mask=offs < N)
+                tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(grad), axis=1), axis=0))
+                q = quantize(grad, scale, out_desc.dtype, False)
+                tma.store_wait(2)  # (the part before this one's two stores may still read the other buffers)
+                q_bufs.index(q_base + p % 2).store(q)
+                qt_bufs.index(q_base + p % 2).store(gl.permute(q, (1, 0)))
+                fence_async_shared()
+                tma_store(out_desc, [off_m, off_n + p * PART], q_bufs.index(q_base + p % 2))
+                tma_store(out2_desc, [off_n + p * PART, off_m], qt_bufs.index(q_base + p % 2))
+            gl.atomic_max(amax_ptr, tile_amax)
+        else:
+            for half in gl.static_range(HALVES):
+                for p in gl.static_range(4):
+                    buf = stage_bufs.index(base + 4 * half + p)
+                    grad = parts[p] * buf.load(parts[p].type.layout).to(gl.float32)
+                    buf.store(grad.to(out_desc.dtype))
+                    if HAS_BIAS:  # rows past M were loaded as zeros
+                        offs = off_n + p * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, grad.type.layout))
+                        gl.store(dbias_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
+            fence_async_shared()
+            for p in gl.static_range(4):
+                tma_store(out_desc, [off_m, off_n + p * PART], stage_bufs.index(base + p))
+                if GATED:
+                    tma_store(out2_desc, [off_m, off_n + p * PART], stage_bufs.index(base + 4 + p))
 
     @gluon.jit
     def _consumer(a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, q_bufs,
-                  qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K, WHO: gl.constexpr,
+                  qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K,
+                  WHO: gl.constexpr,
                   B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
                   UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr,
                   SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
@@ -244,7 +267,8 @@ if AVAILABLE:
                 off_m = pid_m * BM
                 off_n = pid_n * TN
                 if EPILOGUE == "mul":  # fetch the saved tile(s) now; they land while the MMAs run
-                    tma.store_wait(0)
+                    if not FP8_OUT:  # (the last tile's stores leave from these buffers; FP8_OUT's from q_bufs)
+                        tma.store_wait(0)
                     mbarrier.expect(bar, (2 if GATED else 1) * (TN // PART) * aux_desc.block_type.nbytes)
                     for p in gl.static_range(TN // PART):
                         tma_load(aux_desc, [off_m, off_n + p * PART], bar, stage_bufs.index(base + p))
@@ -272,12 +296,13 @@ if AVAILABLE:
 
                 if EPILOGUE == "act":
                     _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc,
-                                  stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale_ptr, amax_ptr, ACTIVATION, UP_ACTIVATION, GATE_UP_B,
+                                  stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale_ptr, amax_ptr, ACTIVATION,
+                                  UP_ACTIVATION, GATE_UP_B,
                                   HAS_BIAS, SAVE, FP8_OUT)
                 else:
                     mbarrier.wait(bar, j & 1)
                     _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base,
-                                  GATED, HAS_BIAS)
+                                  q_bufs, qt_bufs, 2 * WHO, scale_ptr, amax_ptr, GATED, HAS_BIAS, FP8_OUT)
             i += k_steps
             t += 1
         tma.store_wait(0)
@@ -493,17 +518,18 @@ def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, 
 FP8_FAILURE = None  # the exception that turned the FP8 output off (the 16-bit kernels keep running), if one did
 
 
-def usable_fp8(x, weight, bias, gated):
-    """Whether linear_act_forward_fp8 can run: the forward's conditions, not gated (its staging tiles would not
-    fit beside the gated forward's), and the FP8 variant not failed before."""
-    return (FP8_FAILURE is None and FAILURE is None and not gated and weight.shape[0] % 16 == 0  # (h8's rows: TMA)
-            and usable(x, (weight,), (bias,)))
+def usable_fp8(a, matrices, vectors, gated, width):
+    """Whether linear_act_forward_fp8 / dgrad_fp8 can run on these operands: usable()'s conditions, not gated
+    (its staging tiles would not fit beside the gated kernels'), an FP8 output of width columns that TMA can
+    write, and the FP8 variant not failed before."""
+    return (FP8_FAILURE is None and FAILURE is None and not gated and width % 16 == 0 and usable(a, matrices, vectors))
 
 
 def linear_act_forward_fp8(x, weight, bias, activation, h8, h8t, saved, scale, amax):
     """h8 = fp8(act(x @ weight.T + bias) · scale[0]) (M, N), h8t its transpose (N, Mp >= M, columns past M
-    zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz, for 2-D x (not gated). Returns False if the kernel failed (now or before): the caller then runs the 16-bit kernel
-    and casts. A failure here turns off this variant only, with one warning."""
+    zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz, for 2-D x (not gated). Returns False if the kernel
+    failed (now or before): the caller then runs the 16-bit kernel and casts. A failure here turns off the FP8
+    variants only, with one warning."""
     global FP8_FAILURE
     if FP8_FAILURE is not None or FAILURE is not None:
         return False
@@ -517,6 +543,27 @@ def linear_act_forward_fp8(x, weight, bias, activation, h8, h8t, saved, scale, a
                       "separate pass instead for the rest of this process", FallbackWarning, stacklevel=2)
         return False
     return True
+
+
+def dgrad_fp8(grad_y, w2, saved, gz8, gz8t, bias_grad, scale, amax):
+    """gz8 = fp8((grad_y @ w2) * saved · scale[0]) (M, W) in e5m2, gz8t its transpose (W, Mp >= M, columns past M
+    zeros), amax[0] = max(amax[0], max |grad_z|), not gated. Returns (True, the column sums of the unquantized
+    grad_z in fp32 if bias_grad else None), or (False, None) as linear_act_forward_fp8."""
+    global FP8_FAILURE
+    if FP8_FAILURE is not None or FAILURE is not None:
+        return False, None
+    partial = (torch.empty((cdiv(grad_y.shape[0], BLOCK_M), gz8.shape[1]), device=gz8.device, dtype=torch.float32)
+               if bias_grad else None)
+    consts = dict(EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=False, HAS_BIAS=bias_grad,
+                  SAVE=False, FP8_OUT=True)
+    try:
+        _launch(grad_y, w2, gz8, saved, None, partial, False, out2=gz8t, scale=scale, amax=amax, **consts)
+    except Exception as e:
+        FP8_FAILURE = e
+        warnings.warn(f"the Hopper ping-pong kernel's FP8 output failed ({type(e).__name__}: {e}); grad_z is cast "
+                      "by a separate pass instead for the rest of this process", FallbackWarning, stacklevel=2)
+        return False, None
+    return True, (partial.sum(0) if bias_grad else None)
 
 
 def dgrad(grad_y, w2, saved, out, gated, bias_grad):

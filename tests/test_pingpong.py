@@ -50,6 +50,9 @@ elif op == "forward_fp8":
     fp8 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)
     pp.linear_act_forward_fp8(t(M, K), t(N, K), t(N) if bias else None, act, fp8(M, N), fp8(N, 1008), t(M, N), scalar,
                               scalar)
+elif op == "dgrad_fp8":
+    N, e5m2 = 512, lambda *shape: torch.empty(*shape, dtype=torch.float8_e5m2)
+    pp.dgrad_fp8(t(M, K), t(K, N), t(M, N), e5m2(M, N), e5m2(N, 1008), bias, torch.ones(1), torch.ones(1))
 else:
     pp.dgrad(t(M, K), t(K, N), t(M, rows), t(M, rows), gated, bias)
 """
@@ -61,6 +64,7 @@ else:
     ("forward", "gelu", "identity", 0, 1), ("forward", "relu2", "identity", 0, 0),
     ("forward", "silu", "identity", 1, 1), ("forward", "sigmoid", "tanh", 1, 0),
     ("forward_fp8", "gelu", "identity", 0, 1), ("forward_fp8", "relu2", "identity", 0, 0),
+    ("dgrad_fp8", "identity", "identity", 0, 1), ("dgrad_fp8", "identity", "identity", 0, 0),
     ("dgrad", "identity", "identity", 0, 1), ("dgrad", "identity", "identity", 0, 0),
     ("dgrad", "identity", "identity", 1, 1)])
 def test_compiles_for_hopper(op, act, up_act, gated, bias):
@@ -350,3 +354,43 @@ def test_forward_fp8_output(act):
     h16, saved16 = torch.empty(M, N, device="cuda", dtype=torch.bfloat16), torch.empty_like(saved)
     assert pingpong.linear_act_forward(x, w, b, act, "identity", False, True, h16, saved16)
     assert torch.equal(saved[rows], saved16[rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_dgrad_fp8_output(bias_grad):
+    """The dgrad's FP8 output (the FP8 MLP's gz8 and gz8ᵀ, e5m2): within one FP8 step of torch's quantization of
+    (grad_y @ W2) * saved computed in float64, equal almost everywhere, NaN in NaN's row; the transposed copy bit
+    for bit, zero past M; the amax; the bias gradient's column sums those of the 16-bit variant, bit for bit."""
+    E5M2 = torch.float8_e5m2
+    M, K, N = 1000, 256, 512
+    g = torch.Generator("cuda").manual_seed(0)
+    gy = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w2 = (torch.randn(K, N, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    saved = torch.rand(M, N, device="cuda", generator=g).bfloat16()
+    nan_row = None if bias_grad else 9  # (a NaN row would make every column sum NaN)
+    if nan_row is not None:
+        gy[nan_row, 2] = float("nan")
+    scale, amax = torch.tensor([1000.0], device="cuda"), torch.zeros(1, device="cuda")
+    gz8 = torch.empty(M, N, device="cuda", dtype=E5M2)
+    gz8t = torch.full((N, 1008), 1.0, device="cuda").to(E5M2)
+    ok, db = pingpong.dgrad_fp8(gy, w2, saved, gz8, gz8t, bias_grad, scale, amax)
+    assert ok
+    assert torch.equal(gz8t[:, :M].t().view(torch.uint8), gz8.view(torch.uint8))
+    assert (gz8t[:, M:].float() == 0).all()
+    gz = (gy.double() @ w2.double()) * saved.double()
+    ref = (gz * scale.item()).clamp(-57344, 57344).to(E5M2).double()
+    ours = gz8.double()
+    rows = torch.arange(M, device="cuda") != (-1 if nan_row is None else nan_row)
+    if nan_row is not None:
+        assert ours[nan_row].isnan().all()
+    assert not ours[rows].isnan().any()
+    diff = (ours - ref)[rows].abs()
+    assert (diff <= ref[rows].abs() / 4 + 2 ** -16).all()  # one step: e5m2 has 2 mantissa bits
+    assert (diff == 0).float().mean() > 0.9
+    assert amax.item() == pytest.approx(gz[rows].abs().max().item(), rel=1e-2)
+    if bias_grad:
+        ok16, db16 = pingpong.dgrad(gy, w2, saved, torch.empty(M, N, device="cuda", dtype=torch.bfloat16), False, True)
+        assert ok16
+        torch.testing.assert_close(db, db16, rtol=0, atol=0)

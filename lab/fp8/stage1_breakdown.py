@@ -25,7 +25,7 @@ def pingpong_fp8(x2, w1, activation, state):
     """(h8, h8ᵀ, dh/dz) from the ping-pong forward's FP8 epilogue (fused_ops/pingpong.py), or None where
     it does not run (not Hopper, gated)."""
     from fused_ops import pingpong
-    if not pingpong.usable_fp8(x2, w1, None, activation == "swiglu"):
+    if not pingpong.usable_fp8(x2, (w1,), (), activation == "swiglu", w1.shape[0]):
         return None
     M, N = x2.shape[0], w1.shape[0]
     h8 = torch.empty((M, N), device=x2.device, dtype=E4M3)
@@ -35,6 +35,18 @@ def pingpong_fp8(x2, w1, activation, state):
                                            state.amax[fp8.H:]):
         return None
     return h8, h8t, saved
+
+
+def pingpong_fp8_dgrad(gy, w2, saved, state):
+    """(gz8, gz8ᵀ) from the ping-pong dgrad's FP8 epilogue, or None where it does not run."""
+    from fused_ops import pingpong
+    M, width = gy.shape[0], saved.shape[1]
+    if not pingpong.usable_fp8(gy, (w2, saved), (), False, width):
+        return None
+    gz8 = torch.empty((M, width), device=gy.device, dtype=E5M2)
+    gz8t = torch.empty((width, fp8._padded(M)), device=gy.device, dtype=E5M2)
+    ok, _ = pingpong.dgrad_fp8(gy, w2, saved, gz8, gz8t, False, state.scale[fp8.GRAD_Z:], state.amax[fp8.GRAD_Z:])
+    return (gz8, gz8t) if ok else None
 
 
 def main():
@@ -71,6 +83,10 @@ def main():
     checks = {"h8": (h8.float(), q(h_bf16, scale[1], E4M3)), "h8T": (ht8[:, :a.M].t().float(), q(h_bf16, scale[1], E4M3)),
               "x8T": (xt8[:, :a.M].t().float(), q(x2, scale[0], E4M3)), "gy8T": (gyt8[:, :a.M].t().float(), q(gy, scale[2], E5M2)),
               "gz8": (gz8.float(), q(gz_bf16, scale[3], E5M2)), "gz8T": (gzt8[:, :a.M].t().float(), q(gz_bf16, scale[3], E5M2))}
+    pp_dgrad = pingpong_fp8_dgrad(gy, w2, saved_bf16, state)
+    if pp_dgrad is not None:
+        checks["gz8 pp"] = (pp_dgrad[0].float(), q(gz_bf16, scale[3], E5M2))
+        checks["gz8T pp"] = (pp_dgrad[1][:, :a.M].t().float(), q(gz_bf16, scale[3], E5M2))
     if pp_fp8 is not None:
         checks["h8 pp"] = (pp_fp8[0].float(), q(h_bf16, scale[1], E4M3))
         checks["h8T pp"] = (pp_fp8[1][:, :a.M].t().float(), q(h_bf16, scale[1], E4M3))
@@ -91,6 +107,7 @@ def main():
             linear_act_forward(x2, w1, None, a.activation)[0], state, fp8.H, row_major=True),
         "FP8 fwd kernel (ping-pong: h8 + h8T + dh/dz)": lambda: pingpong_fp8(x2, w1, a.activation, state),
         "transpose_fp8 h8 (the pass it replaces)": lambda: fp8.transpose_fp8(h8, fp8._padded(a.M), state),
+        "FP8 dgrad kernel (ping-pong: gz8 + gz8T)": lambda: pingpong_fp8_dgrad(gy, w2, saved_bf16, state),
         "bf16 dgrad kernel (ping-pong)": lambda: linear_act_dgrad(gy, w2, saved_bf16, a.activation, bias_grad=False),
         "FP8 dgrad kernel (bf16 loop, gz8 + gz8T)": lambda: fp8.fp8_dgrad(gy, w2, saved, a.activation, state, False),
         "bf16 dgrad (ping-pong) then cast+T gz": lambda: fp8.cast_transpose(
@@ -121,8 +138,9 @@ def main():
     # (and the cast pass's tile: fp8.CAST_TILE, also read when the graph is captured)
     # (and whether the ping-pong forward writes h8 itself: fp8_autograd.PINGPONG_FP8)
     tiles = dict(fp8.CAST_TILE)
-    variants = {"bf16 fused": None, "FP8 separate fwd+dgrad": (True, True, tiles, False),
-                "FP8 ping-pong h8 + h8T, separate dgrad": (True, True, tiles, True)}
+    variants = {"bf16 fused": None, "FP8 separate fwd+dgrad": (True, True, tiles, (False, False)),
+                "FP8 ping-pong h8 + h8T, separate dgrad": (True, True, tiles, (True, False)),
+                "FP8 ping-pong fwd + dgrad (FP8 epilogues)": (True, True, tiles, (True, True))}
     base = MLP(cfg)
     replays = {}
     for k, separate in variants.items():
@@ -131,7 +149,7 @@ def main():
         if separate is not None:
             fp8_autograd.SEPARATE_CAST.update(forward=separate[0], dgrad=separate[1])
             fp8.CAST_TILE = separate[2]
-            fp8_autograd.PINGPONG_FP8["forward"] = separate[3]
+            fp8_autograd.PINGPONG_FP8.update(forward=separate[3][0], dgrad=separate[3][1])
         replays[k] = bench_mlp.graphed_fwd_bwd(m.to(dev, dt), x2, gy)[0]
     fp8.CAST_TILE = tiles
     times = {k: [] for k in replays}
