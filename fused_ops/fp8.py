@@ -5,7 +5,8 @@ GEMM in FP8 needs both operands quantized (scaled, rounded to 8 bits) and, for t
 GEMMs that reduce over the tokens, transposed: Hopper's FP8 MMA takes only K-major operands. Done as
 separate passes (torchao's float8), the casts, amax reductions and transposes cost more than FP8 saves at
 GPT-2's width (lab/fp8/README.md has the arithmetic). Here each quantized operand is written by the
-kernel that produces it, in the same epilogue, from values still in registers (hᵀ excepted, below):
+kernel that produces it, in the same epilogue, from values still in registers (in this file's Triton kernels hᵀ
+is a second pass; see below for Hopper):
 
     forward    x      -> xᵀ (e4m3)                     one cast + transpose pass (x arrives in bf16)
                h, s   =  act(x @ W1ᵀ + b1), dh/dz       our bf16 kernel; its epilogue writes h in e4m3, s in bf16
@@ -15,11 +16,12 @@ kernel that produces it, in the same epilogue, from values still in registers (h
                gz     =  (gy @ W2) * s                  our bf16 dgrad kernel; its epilogue writes gz and gzᵀ in e5m2
                dW2    =  gyᵀ @ h,  dx = gz @ W1,  dW1 = gzᵀ @ x      FP8 GEMMs
 
-On Hopper, where those two bf16 GEMMs run in the ping-pong kernels (pingpong.py), the table's epilogue kernels
-lose more to their slower main loop than writing FP8 saves: there h and gz leave the ping-pong kernels in bf16 and
-one cast + transpose pass (cast_transpose, the amax folded in as the epilogues do) quantizes each, at 198 µs against
-326 for the forward at GPT-2 small's size (results/fp8_stage1_h100.txt; fp8_autograd.SEPARATE_CAST). The epilogues
-in this file run elsewhere (Ada). The ping-pong kernels writing FP8 themselves would save that extra pass.
+On Hopper those two bf16 GEMMs run in the ping-pong kernels (pingpong.py), whose epilogues do the same work
+(FP8_OUT: h8 and h8ᵀ, gz8 and gz8ᵀ, the amaxes), transposed copies included: 144.5 µs for the forward and 125.6
+for the dgrad at GPT-2 small's size, against 191 and 180 for the ping-pong kernels followed by a cast + transpose
+pass and 325 and 193 for this file's Triton kernels (results/fp8_stage1_h100.txt; fp8_autograd.PINGPONG_FP8).
+Gated activations on Hopper take the ping-pong kernels then one cast + transpose pass (cast_transpose,
+fp8_autograd.SEPARATE_CAST); the epilogues in this file run elsewhere (Ada).
 
 The two GEMMs that carry the epilogues (x @ W1ᵀ and gy @ W2) stay bf16 in this stage; the next stage
 gives them FP8 main loops. Activations and weights are e4m3 (more mantissa), gradients e5m2 (more range),
