@@ -149,10 +149,15 @@ class MLP(nn.Module):
             self.kind = "eager"  # "auto" without Triton
         self.fp8 = fused_ops.FP8State() if config.fp8 else None  # its delayed scales (not saved in checkpoints)
         # Uncompiled, the fused MLP's launches cost the host more than its kernels take: CUDA graphs replay them
-        self.graphs = fused_ops.MLPGraphs() if self.kind != "eager" and self.fp8 is None else None
+        self.graphs = fused_ops.MLPGraphs(keep=self.fp8) if self.kind != "eager" else None
 
     def forward(self, x, norm=None):
         if self.fp8 is not None:
+            # (graphed once calibrated: the calibrating call runs other kernels; one process: the scales' all-reduce)
+            if (self.graphs is not None and fused_ops.graphs_usable(x) and self.fp8.calibrated and world_size() == 1
+                    and (norm is None or type(norm) is nn.LayerNorm)):
+                fp8, tensors = fused_ops.fp8_layers_as_function(self.c_fc, self.c_proj, self.activation, norm, self.fp8)
+                return self.dropout(self.graphs(fp8, x, tensors))
             y = fused_ops.fp8_mlp(x if norm is None else norm(x), self.c_fc, self.c_proj, self.activation, self.fp8)
             return self.dropout(y)
         if self.kind == "fused" or (self.kind == "auto" and fused_ops.kernels_can_run(x)):
@@ -169,6 +174,11 @@ class MLP(nn.Module):
 
 
 fused_ops = None  # the Triton kernels' package, imported by the first MLP that asks for it (it imports Triton)
+
+
+def world_size():
+    return torch.distributed.get_world_size() if torch.distributed.is_available() and \
+        torch.distributed.is_initialized() else 1
 
 
 def import_fused_ops(required):

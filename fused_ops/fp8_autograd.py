@@ -7,8 +7,9 @@ One computation, _forward and _backward below, reached two ways:
   compiled graph (ops.py says why operators), the backward attached with torch.library.register_autograd.
 The two ways differ in where the weights' FP8 copies are made:
 - uncompiled, FP8State.weights caches them, remade once per optimizer step (a host-side check);
-- compiled, the traced graph makes them itself (quantize_weight, fused by inductor) and hands them to the forward
-  operator, every forward: a host check would be skipped by a CUDA graph replay, so none is left. The operators
+- compiled, or captured by graphs.py's CUDA graphs (fp8_layers_as_function), the copies are made at every forward
+  (quantize_weight; compiled, inductor fuses it) and handed to the forward operator: a host check would be skipped
+  by a CUDA graph replay, so none is left. The operators
   then keep no host state a replay needs: the scales live in the FP8State's buffers (an operator finds the state
   by its number) and move on the GPU; the calibration flag is read once, on the first call, which torch.compile's
   CUDA graphs run before they record. So the FP8 MLP compiles in every mode, reduce-overhead included (which it
@@ -244,14 +245,31 @@ torch.library.register_autograd("fused_mlp::fp8_mlp_forward", _op_backward, setu
 def fp8_mlp(x, c_fc, c_proj, activation, state):
     """model.MLP's FP8 path: c_proj(act(c_fc(x))) with FP8 GEMMs while training (grad enabled); under no_grad
     (evaluation, sampling) the bf16 fused path. x: (..., C), 16-bit or under autocast."""
+    return _fp8_mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, activation, state, cached_copies=True)
+
+
+def fp8_layers_as_function(c_fc, c_proj, activation, norm, state):
+    """fp8_mlp(norm(x), ...) as (fn, tensors), as mlp.layers_as_function: what graphs.py captures. fn makes the
+    weights' FP8 copies itself at every call (as the compiled graph does), so that a replay reads the current weights
+    without the host-side check of FP8State.weights."""
+    tensors = (c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias,
+               *((norm.weight, norm.bias) if norm is not None else ()))
+
+    def fn(x, w_fc, b_fc, w_proj, b_proj, ln_weight=None, ln_bias=None):
+        if norm is not None:
+            x = torch.nn.functional.layer_norm(x, norm.normalized_shape, ln_weight, ln_bias, norm.eps)
+        return _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, cached_copies=False)
+    return fn, tensors
+
+
+def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, cached_copies):
     from .mlp import _autocast, check_mlp_args, fused_mlp  # (mlp.py does not import this module)
-    w_fc, b_fc, w_proj, b_proj = c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias
     if not torch.is_grad_enabled() or x.numel() == 0:
         return fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation)
     compiling = torch.compiler.is_compiling()
     if not compiling:  # (train.py checks the device before it compiles)
         check_fp8_device(x.device)
-    masters = (w_fc, w_proj)  # the parameters themselves (fp32 under autocast): their FP8 copies are cached
+    masters = (w_fc, w_proj)  # the parameters themselves (fp32 under autocast): their FP8 copies are made from them
     x, w_fc, b_fc, w_proj, b_proj = _autocast(x, w_fc, b_fc, w_proj, b_proj)
     check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation)
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -261,9 +279,12 @@ def fp8_mlp(x, c_fc, c_proj, activation, state):
     if C % 16 or hidden % 16:
         raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({hidden}) to be multiples "
                          "of 16 (FP8 GEMMs take K and N in multiples of 16)")
-    if compiling:  # the weights' FP8 copies made in the graph (see the top of this file)
-        x2 = x.reshape(-1, C).contiguous()
+    if compiling or not cached_copies:  # the copies made here, every call (see the top of this file)
         copies = (*quantize_weight(masters[1]), *quantize_weight(masters[0], transpose=True))
+    else:
+        copies = state.weights(*masters)
+    if compiling:
+        x2 = x.reshape(-1, C).contiguous()
         y = fp8_forward_op(x2, w_fc, b_fc, w_proj, b_proj, *copies, activation, state.number)[0]
         return y.view(*x.shape[:-1], C)
-    return FP8MLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, state, *state.weights(*masters))
+    return FP8MLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, state, *copies)

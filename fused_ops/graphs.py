@@ -36,6 +36,9 @@ What keeps it exact, and what it costs:
   the backward's temporaries) for the rest of the run, where the plain path frees them after backward: GPT-2
   small at 12x1024 tokens reserved 6 GiB more (results/graphs_gpt2_124m_h100.txt). At most MAX_SHAPES shapes
   per layer are captured, later ones run the plain path; FUSED_OPS_GRAPHS=0 when memory is short.
+- State a layer keeps besides its parameters (the FP8 MLP's scales, `keep`) is put back as it was after a capture:
+  the capture's warm-up run would otherwise count as a step of its own. Its kernels update that state in place on
+  the GPU, so replays carry it on; host state is not captured (the FP8 MLP calibrates before its first capture).
 - A capture that fails (out of memory, say) turns the graphs off for the process with one warning; the plain path
   runs. FUSED_OPS_GRAPHS=0 turns them off (to save memory, to compare, or to debug a kernel launch by launch).
 """
@@ -186,12 +189,13 @@ class _Replay(torch.autograd.Function):
 class MLPGraphs:
     """A layer's captured shapes. __call__(fn, x, params) returns fn(x, *params), through a graph where it can.
 
-    fn must compute from its arguments only (params: the layer's parameters, None for a missing bias), and launch
-    the same work every call for the same input shape. emulate: a CPU test double for CUDA graphs (buffers
+    fn must compute from its arguments only (params: the layer's parameters, None for a missing bias) and the
+    buffers of `keep` (a module, restored after each capture), and launch the same work every call for the same
+    input shape. emulate: a CPU test double for CUDA graphs (buffers
     overwritten in place at every "replay"), so that the bookkeeping above can be tested without a GPU."""
 
-    def __init__(self, emulate=False):
-        self.emulate, self.captured, self.seen = emulate, {}, set()
+    def __init__(self, emulate=False, keep=None):
+        self.emulate, self.keep, self.captured, self.seen = emulate, keep, {}, set()
 
     def __call__(self, fn, x, params):
         global _failed
@@ -210,8 +214,11 @@ class MLPGraphs:
             for old in [k for k in self.captured if k[-1] != key[-1]]:  # parameters replaced: free their graphs
                 del self.captured[old]
             try:
+                kept = None if self.keep is None else [b.clone() for b in self.keep.buffers()]
                 with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (streams, pool: x's GPU)
                     captured = self.captured[key] = _Captured(fn, x, params, train, self.emulate)
+                for b, old in zip(() if kept is None else self.keep.buffers(), kept or ()):
+                    b.copy_(old)
             except Exception as e:  # an optional fast path: fall back, once, with one warning
                 _failed = True
                 warnings.warn(f"capturing the fused MLP in a CUDA graph failed ({type(e).__name__}: {e}); the "
@@ -228,4 +235,4 @@ class MLPGraphs:
         return _Replay.apply(captured, x, *params)
 
     def __getstate__(self):  # (copy.deepcopy / pickling of a model: the graphs are not copied, they are recaptured)
-        return {"emulate": self.emulate, "captured": {}, "seen": set()}
+        return {"emulate": self.emulate, "keep": self.keep, "captured": {}, "seen": set()}

@@ -246,6 +246,39 @@ def test_a_gpt_replays_every_step_with_nothing_held(monkeypatch):
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
+def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
+    """The FP8 MLP through the graphs (emulated on CPU, fp16 autocast): the calibrating step runs plain, every later
+    step replays, the weights' FP8 copies are made inside the replay (so they follow each optimizer step), and the
+    capture leaves the delayed scales as they were: the losses, the weights and the scales' history are those of the
+    run without graphs, bit for bit."""
+    import fused_ops
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True, dropout=0.0)
+    monkeypatch.setattr(fused_ops, "graphs_usable", lambda x: True)
+    runs = []
+    for emulated in (False, True):
+        torch.manual_seed(0)
+        gpt = GPT(cfg)
+        for block in gpt.transformer.h:
+            block.mlp.graphs = MLPGraphs(emulate=True, keep=block.mlp.fp8) if emulated else None
+        opt = torch.optim.SGD(gpt.parameters(), lr=0.3)
+        losses = []
+        for step in range(5):
+            x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.float16):
+                _, loss = gpt(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs.append((losses, [p.detach().clone() for p in gpt.parameters()],
+                     [b.mlp.fp8.history.clone() for b in gpt.transformer.h], gpt))
+    (plain, plain_params, plain_history, _), (graphed, params, history, gpt) = runs
+    assert [next(iter(b.mlp.graphs.captured.values())).generation for b in gpt.transformer.h] == [3, 3]
+    assert graphed == plain
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    assert all(torch.equal(a, b) for a, b in zip(history, plain_history))
+
+
 def test_new_parameters_and_shapes_get_their_own_graphs(monkeypatch):
     """A parameter replaced (a new storage) is never read through an old graph, whose capture is dropped; past
     MAX_SHAPES the plain path runs."""
@@ -290,6 +323,10 @@ def test_a_deep_copy_of_the_model_recaptures():
 
 # --- on the GPU, real CUDA graphs ---
 
+def fused_ops_fp8_supported():
+    from fused_ops import fp8_supported
+    return fp8_supported(torch.device("cuda"))
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,autocast", [(torch.bfloat16, False), (torch.float32, False), (torch.float32, True)])
@@ -314,10 +351,15 @@ def test_graphed_steps_equal_the_plain_path_on_the_gpu(dtype, autocast, accumula
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_whole_gpt_with_graphs_equals_without(monkeypatch):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_whole_gpt_with_graphs_equals_without(monkeypatch, fp8):
     """A GPT trained three steps under bf16 autocast (dropout on: its random numbers stay outside the graphs), then
-    evaluated: the same losses with the graphs as without (FUSED_OPS_GRAPHS=0), to bf16's rounding."""
-    cfg = GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mlp="fused", dropout=0.1)
+    evaluated: the same losses with the graphs as without (FUSED_OPS_GRAPHS=0), to bf16's rounding. FP8 too (its
+    first step calibrates ungraphed, so its training shape is captured one step later)."""
+    if fp8 and not fused_ops_fp8_supported():
+        pytest.skip("needs FP8 tensor cores")
+    cfg = GPTConfig(block_size=256, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mlp="fused", dropout=0.1,
+                    fp8=fp8)
     losses = []
     for enabled in (False, True):
         monkeypatch.setattr(graphs, "ENABLED", enabled)
@@ -340,4 +382,7 @@ def test_whole_gpt_with_graphs_equals_without(monkeypatch):
         losses.append(run)
         captured = sum(len(b.mlp.graphs.captured) for b in model.transformer.h)
         assert captured == (2 * cfg.n_layer if enabled else 0)  # training and evaluation shapes, per layer
+        if enabled:  # every training step after the first sight (and, FP8, the calibrating step) replayed
+            train = [c for b in model.transformer.h for k, c in b.mlp.graphs.captured.items() if k[3]]
+            assert [c.generation for c in train] == [3 - fp8] * cfg.n_layer
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)
