@@ -525,43 +525,40 @@ def usable_fp8(a, matrices, vectors, gated, width):
     return (FP8_FAILURE is None and FAILURE is None and not gated and width % 16 == 0 and usable(a, matrices, vectors))
 
 
-def linear_act_forward_fp8(x, weight, bias, activation, h8, h8t, saved, scale, amax):
-    """h8 = fp8(act(x @ weight.T + bias) · scale[0]) (M, N), h8t its transpose (N, Mp >= M, columns past M
-    zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz, for 2-D x (not gated). Returns False if the kernel
-    failed (now or before): the caller then runs the 16-bit kernel and casts. A failure here turns off the FP8
-    variants only, with one warning."""
+def _launch_fp8(what, *args, **kwargs):
+    """_launch for an FP8_OUT variant: True, or False after a failure (now or before in this process), which turns
+    off the FP8 variants only (the 16-bit kernels then run and a cast pass quantizes), with one warning."""
     global FP8_FAILURE
     if FP8_FAILURE is not None or FAILURE is not None:
         return False
-    consts = dict(EPILOGUE="act", ACTIVATION=activation, UP_ACTIVATION="identity", GATED=False,
-                  HAS_BIAS=bias is not None, SAVE=True, FP8_OUT=True)
     try:
-        _launch(x, weight, h8, saved, bias, None, True, out2=h8t, scale=scale, amax=amax, **consts)
+        _launch(*args, **kwargs)
     except Exception as e:
         FP8_FAILURE = e
-        warnings.warn(f"the Hopper ping-pong kernel's FP8 output failed ({type(e).__name__}: {e}); h is cast by a "
-                      "separate pass instead for the rest of this process", FallbackWarning, stacklevel=2)
+        warnings.warn(f"the Hopper ping-pong kernel's FP8 output failed ({type(e).__name__}: {e}); {what} is cast by "
+                      "a separate pass instead for the rest of this process", FallbackWarning, stacklevel=3)
         return False
     return True
+
+
+def linear_act_forward_fp8(x, weight, bias, activation, h8, h8t, saved, scale, amax):
+    """h8 = fp8(act(x @ weight.T + bias) · scale[0]) (M, N), h8t its transpose (N, Mp >= M, columns past M
+    zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz, for 2-D x (not gated). Returns False if the kernel
+    failed (see _launch_fp8): the caller then runs the 16-bit kernel and casts."""
+    return _launch_fp8("h", x, weight, h8, saved, bias, None, True, out2=h8t, scale=scale, amax=amax,
+                       EPILOGUE="act", ACTIVATION=activation, UP_ACTIVATION="identity", GATED=False,
+                       HAS_BIAS=bias is not None, SAVE=True, FP8_OUT=True)
 
 
 def dgrad_fp8(grad_y, w2, saved, gz8, gz8t, bias_grad, scale, amax):
     """gz8 = fp8((grad_y @ w2) * saved · scale[0]) (M, W) in e5m2, gz8t its transpose (W, Mp >= M, columns past M
     zeros), amax[0] = max(amax[0], max |grad_z|), not gated. Returns (True, the column sums of the unquantized
     grad_z in fp32 if bias_grad else None), or (False, None) as linear_act_forward_fp8."""
-    global FP8_FAILURE
-    if FP8_FAILURE is not None or FAILURE is not None:
-        return False, None
     partial = (torch.empty((cdiv(grad_y.shape[0], BLOCK_M), gz8.shape[1]), device=gz8.device, dtype=torch.float32)
                if bias_grad else None)
-    consts = dict(EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=False, HAS_BIAS=bias_grad,
-                  SAVE=False, FP8_OUT=True)
-    try:
-        _launch(grad_y, w2, gz8, saved, None, partial, False, out2=gz8t, scale=scale, amax=amax, **consts)
-    except Exception as e:
-        FP8_FAILURE = e
-        warnings.warn(f"the Hopper ping-pong kernel's FP8 output failed ({type(e).__name__}: {e}); grad_z is cast "
-                      "by a separate pass instead for the rest of this process", FallbackWarning, stacklevel=2)
+    if not _launch_fp8("grad_z", grad_y, w2, gz8, saved, None, partial, False, out2=gz8t, scale=scale, amax=amax,
+                       EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=False,
+                       HAS_BIAS=bias_grad, SAVE=False, FP8_OUT=True):
         return False, None
     return True, (partial.sum(0) if bias_grad else None)
 

@@ -173,6 +173,48 @@ def force_cast_after_kernels(monkeypatch, on):
     monkeypatch.setattr(fp8_autograd, "_cast_after_dgrad", lambda *a: on)
 
 
+@pytest.mark.filterwarnings("default::fused_ops.pingpong.FallbackWarning")
+def test_a_failed_fp8_epilogue_falls_back_to_the_cast_pass(monkeypatch):
+    """Where the ping-pong kernels' FP8 epilogues would run (forced here) but fail to compile or launch, the
+    16-bit kernels and the cast pass take over with the same result, after one warning; the FP8 variants are
+    not tried again, and the 16-bit ping-pong kernel is not turned off."""
+    from fused_ops import pingpong
+
+    def two_calls():
+        fc, proj = make_mlp(32, 64, "gelu", torch.float16, "cpu", bias=True)
+        state = FP8State()
+        out = []
+        for seed in range(3):  # calibration, then the delayed path twice
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(24, 32, generator=g, dtype=torch.float16).requires_grad_()
+            y = fp8_mlp(x, fc, proj, "gelu", state)
+            y.backward(torch.randn(y.shape, generator=g, dtype=torch.float16) * 1e-2)
+            out += [y.detach(), x.grad, fc.weight.grad.clone(), proj.weight.grad.clone(), fc.bias.grad.clone()]
+            fc.zero_grad(set_to_none=True)
+            proj.zero_grad(set_to_none=True)
+        return out
+    force_cast_after_kernels(monkeypatch, True)
+    monkeypatch.setattr(fp8_autograd, "PINGPONG_FP8", {"forward": False, "dgrad": False})
+    expected = two_calls()
+    attempts = []
+
+    def broken(*args, **kwargs):
+        attempts.append(kwargs["EPILOGUE"])
+        raise RuntimeError("stand-in for a Gluon compile error")
+    monkeypatch.setattr(fp8_autograd, "PINGPONG_FP8", {"forward": True, "dgrad": True})
+    monkeypatch.setattr(pingpong, "FP8_FAILURE", None)
+    monkeypatch.setattr(pingpong, "FAILURE", None)
+    # (the FP8 variants chosen as on an H100 until they fail; the 16-bit kernels stay the interpreter's Triton ones)
+    monkeypatch.setattr(pingpong, "usable_fp8", lambda *args, **kwargs: pingpong.FP8_FAILURE is None)
+    monkeypatch.setattr(pingpong, "_launch", broken)
+    with pytest.warns(pingpong.FallbackWarning, match="FP8 output failed") as caught:
+        got = two_calls()
+    assert len([w for w in caught if issubclass(w.category, pingpong.FallbackWarning)]) == 1
+    assert attempts == ["act"] and isinstance(pingpong.FP8_FAILURE, RuntimeError) and pingpong.FAILURE is None
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
+
+
 @pytest.mark.parametrize("cast_after", [False, True])
 def test_fp8_mlp_under_autocast_on_cpu(monkeypatch, cast_after):
     force_cast_after_kernels(monkeypatch, cast_after)
