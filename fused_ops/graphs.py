@@ -18,11 +18,12 @@ How. As torch.cuda.make_graphed_callables, but per layer and per input shape, ca
 - Every later call copies x in, replays, and hands out the outputs (forward: y; backward: the gradients).
 
 What keeps it exact, and what it costs:
-- A replay overwrites the graph's buffers, and y and x's gradient are handed out as they lie there, uncopied (in
-  a GPT both are read once, by the residual stream's sum, and dropped). Before a replay, the graph checks that
-  nobody holds one from an earlier call (the count of tensors on their memory, as torch.compile's CUDA-graph
-  trees check theirs); if someone does (a caller keeping y, torch.autograd.grad's result, a hook), this call
-  runs the plain path instead of overwriting it.
+- A replay overwrites the graph's buffers, and y and the gradients are handed out as they lie there, uncopied (in
+  a GPT y and x's gradient are read once, by the residual stream's sum, and dropped; a parameter's gradient is
+  added into its .grad). Before a replay, the graph checks that nobody holds one from an earlier call (the count
+  of tensors on their memory, as torch.compile's CUDA-graph trees check theirs); if someone does (a caller keeping
+  y, torch.autograd.grad's result, a hook), this call runs the plain path instead of overwriting it. (What the
+  count does not see: a storage object, y.untyped_storage(), kept without a tensor.)
 - A second forward before the first one's backward (two forwards, then two backwards) runs the plain path
   instead of overwriting what the first backward will read. A backward whose forward buffers were overwritten
   anyway (a retain_graph backward after a later forward) raises instead of returning wrong gradients.
@@ -106,9 +107,10 @@ class _Captured:
             grads, self.replay_backward = self._record(backward, pool, stream)
             slots = iter(grads)  # one gradient per input surface entry (None where it needs none)
             self.grads = tuple(next(slots) if t is not None and t.requires_grad else None for t in surface)
-        # What a replay overwrites and hands out uncopied (y, x's gradient), with the count of tensors on their
-        # memory while nobody else holds one: more later means a caller still holds one (see handed_out_alive).
-        handed = (self.y, self.grads[0]) if train and self.grads[0] is not None else (self.y,)
+        # What a replay overwrites and hands out uncopied (y, and the gradients not copied out in backward), with
+        # the count of tensors on their memory while nobody else holds one: more later means a caller still holds
+        # one (see handed_out_alive).
+        handed = (self.y, *(g for g in self.grads if g is not None)) if train else (self.y,)
         self.handed = tuple((t, _holders(t)) for t in handed)
 
     @staticmethod
@@ -138,7 +140,7 @@ class _Captured:
         return out, graph.replay
 
     def handed_out_alive(self):
-        """A y or x gradient handed out by an earlier replay is still held by someone: a replay would overwrite it."""
+        """Something an earlier replay handed out (y, a gradient) is still held: a replay would overwrite it."""
         return any(_holders(t) > alone for t, alone in self.handed)
 
     def busy(self):
@@ -177,9 +179,9 @@ class _Replay(torch.autograd.Function):
         out = []
         for t, g in zip(ctx.leaves, captured.grads):
             # The next replay writes into g. A leaf's first gradient becomes its .grad as it is, and the next
-            # micro-step's backward replays before anyone could see it is held: copy it. x's gradient when x is
-            # not a leaf goes out uncopied (the next forward checks nobody holds it); one added into an existing
-            # .grad is read once.
+            # micro-step's backward replays before anyone could see it is held: copy it. The others go out
+            # uncopied (x's gradient when x is not a leaf, one added into an existing .grad): the next forward
+            # checks that nobody holds them.
             if g is not None and t is not None and t.grad is None:
                 g = g.clone()
             out.append(None if g is None else g.detach())
@@ -213,18 +215,20 @@ class MLPGraphs:
                 return fn(x, *params)  # the first call: kernels compile and tune here, never inside a capture
             for old in [k for k in self.captured if k[-1] != key[-1]]:  # parameters replaced: free their graphs
                 del self.captured[old]
+            kept = None if self.keep is None else [b.clone() for b in self.keep.buffers()]
             try:
-                kept = None if self.keep is None else [b.clone() for b in self.keep.buffers()]
                 with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (streams, pool: x's GPU)
                     captured = self.captured[key] = _Captured(fn, x, params, train, self.emulate)
-                for b, old in zip(() if kept is None else self.keep.buffers(), kept or ()):
-                    b.copy_(old)
             except Exception as e:  # an optional fast path: fall back, once, with one warning
                 _failed = True
                 warnings.warn(f"capturing the fused MLP in a CUDA graph failed ({type(e).__name__}: {e}); the "
                               "plain fused path runs from now on", stacklevel=2)
+            finally:  # (the capture's warm-up run, even a failed one, is not a step: put the kept state back)
+                for b, old in zip(() if kept is None else self.keep.buffers(), kept or ()):
+                    b.copy_(old)
+            if captured is None:
                 return fn(x, *params)
-        if captured.handed_out_alive():  # an earlier call's y or x gradient is still held: do not overwrite it
+        if captured.handed_out_alive():  # something an earlier call handed out is still held: do not overwrite it
             return fn(x, *params)
         if not train:
             captured.x.copy_(x)

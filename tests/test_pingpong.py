@@ -319,12 +319,17 @@ def test_failed_pingpong_compile_falls_back_on_gpu(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("act", ["gelu", "relu2"])
-def test_forward_fp8_output(act):
+@pytest.mark.parametrize("programs", [None, 2])
+def test_forward_fp8_output(act, programs, monkeypatch):
     """The FP8 output (the FP8 MLP's h8 and h8ᵀ): fp8(h · scale) of the fp32 h, within one FP8 step of torch's
     quantization of the same h computed in float64 (and equal almost everywhere), NaN in NaN's rows, the
     transposed copy bit for bit the same with zero columns from M to its padded width; dh/dz as the 16-bit
     variant writes it; the amax over the real rows only. Here the rows past M = 1000 (zeros in, act(bias) out)
-    would give act(bias) (3 for GELU, 18 for relu²) where the real rows' amax is several times smaller."""
+    would give act(bias) (3 for GELU, 18 for relu²) where the real rows' amax is several times smaller.
+    programs=2: 32 tiles on two persistent programs, so that both consumers run and reuse their buffers across tiles
+    (with one program per SM, each program here gets one tile)."""
+    if programs:
+        monkeypatch.setattr(pingpong, "_num_sms", lambda device: programs)
     E4M3 = torch.float8_e4m3fn
     M, K, N = 1000, 256, 512
     g = torch.Generator("cuda").manual_seed(0)
@@ -359,10 +364,14 @@ def test_forward_fp8_output(act):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("bias_grad", [False, True])
-def test_dgrad_fp8_output(bias_grad):
+@pytest.mark.parametrize("programs", [None, 2])
+def test_dgrad_fp8_output(bias_grad, programs, monkeypatch):
     """The dgrad's FP8 output (the FP8 MLP's gz8 and gz8ᵀ, e5m2): within one FP8 step of torch's quantization of
     (grad_y @ W2) * saved computed in float64, equal almost everywhere, NaN in NaN's row; the transposed copy bit
-    for bit, zero past M; the amax; the bias gradient's column sums those of the 16-bit variant, bit for bit."""
+    for bit, zero past M; the amax; the bias gradient's column sums those of the 16-bit variant, bit for bit.
+    programs: as in test_forward_fp8_output."""
+    if programs:
+        monkeypatch.setattr(pingpong, "_num_sms", lambda device: programs)
     E5M2 = torch.float8_e5m2
     M, K, N = 1000, 256, 512
     g = torch.Generator("cuda").manual_seed(0)
