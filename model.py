@@ -153,8 +153,7 @@ class MLP(nn.Module):
 
     def forward(self, x, norm=None):
         if self.fp8 is not None:
-            # (graphed once calibrated: the calibrating call runs other kernels; one process: the scales' all-reduce)
-            if (self.graphs is not None and fused_ops.graphs_usable(x) and self.fp8.calibrated and world_size() == 1
+            if (self.graphs is not None and fused_ops.fp8_graphs_usable(x, self.fp8)
                     and (norm is None or type(norm) is nn.LayerNorm)):
                 fp8, tensors = fused_ops.fp8_layers_as_function(self.c_fc, self.c_proj, self.activation, norm, self.fp8)
                 return self.dropout(self.graphs(fp8, x, tensors))
@@ -174,11 +173,6 @@ class MLP(nn.Module):
 
 
 fused_ops = None  # the Triton kernels' package, imported by the first MLP that asks for it (it imports Triton)
-
-
-def world_size():
-    return torch.distributed.get_world_size() if torch.distributed.is_available() and \
-        torch.distributed.is_initialized() else 1
 
 
 def import_fused_ops(required):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .activations import kernel_activations
+from .graphs import graphs_usable
 from .dgrad import linear_act_dgrad
 from .fp8 import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose,
                   check_fp8_device, fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
@@ -151,7 +152,7 @@ def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activatio
     grad_x = torch._scaled_mm(gz8, w_fc_t8.t(), scale_a=inv_gz, scale_b=w_fc_inv, out_dtype=gy.dtype)
     grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_proj.dtype) \
         if w_fc_grad else None
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _distributed():
         dist.all_reduce(state.amax, op=dist.ReduceOp.MAX)  # one set of scales for every process
     update_scales(state)
     state.calibrated = True
@@ -246,6 +247,16 @@ def fp8_mlp(x, c_fc, c_proj, activation, state):
     """model.MLP's FP8 path: c_proj(act(c_fc(x))) with FP8 GEMMs while training (grad enabled); under no_grad
     (evaluation, sampling) the bf16 fused path. x: (..., C), 16-bit or under autocast."""
     return _fp8_mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, activation, state, cached_copies=True)
+
+
+def fp8_graphs_usable(x, state):
+    """Whether graphs.py may capture the FP8 MLP: where graphs_usable says so, once the scales are calibrated (the
+    calibrating call runs other kernels) and in one process (the scales' all-reduce is not captured)."""
+    return graphs_usable(x) and state.calibrated and not _distributed()
+
+
+def _distributed():
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def fp8_layers_as_function(c_fc, c_proj, activation, norm, state):

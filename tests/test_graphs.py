@@ -300,7 +300,7 @@ def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
     run without graphs, bit for bit."""
     import fused_ops
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True, dropout=0.0)
-    monkeypatch.setattr(fused_ops, "graphs_usable", lambda x: True)
+    monkeypatch.setattr(fused_ops.fp8_autograd, "graphs_usable", lambda x: True)  # (fp8_graphs_usable asks it)
     runs = []
     for emulated in (False, True):
         torch.manual_seed(0)
