@@ -9,10 +9,10 @@ The two ways differ in where the weights' FP8 copies are made:
 - uncompiled, FP8State.weights caches them, remade once per optimizer step (a host-side check);
 - compiled, or captured by graphs.py's CUDA graphs (fp8_layers_as_function), the copies are made at every forward
   (quantize_weight; compiled, inductor fuses it) and handed to the forward operator: a host check would be skipped
-  by a CUDA graph replay, so none is left. The operators
-  then keep no host state a replay needs: the scales live in the FP8State's buffers (an operator finds the state
-  by its number) and move on the GPU; the calibration flag is read once, on the first call, which torch.compile's
-  CUDA graphs run before they record. So the FP8 MLP compiles in every mode, reduce-overhead included (which it
+  by a CUDA graph replay, so none is left. The operators then keep no host state a replay needs: the scales live
+  in the FP8State's buffers (an operator finds the state by its number) and move on the GPU; the calibration flag
+  is read once, on the first call, which torch.compile's CUDA graphs run before they record (and graphs.py's
+  capture only after it). So the FP8 MLP compiles in every mode, reduce-overhead included (which it
   needs to be fast: results/fp8_compile_h100.txt). The price: with gradient accumulation, one weight cast per
   micro-step instead of per optimizer step (~12 MB of traffic a layer at GPT-2 small's size).
 """
@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .activations import kernel_activations
-from .graphs import graphs_usable
 from .dgrad import linear_act_dgrad
 from .fp8 import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose,
                   check_fp8_device, fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
+from .graphs import graphs_usable
 from .linear_act import linear_act_forward
 from .ops import fused_op
 from . import pingpong
@@ -35,7 +35,7 @@ from . import pingpong
 # Where Hopper's ping-pong kernels run (pingpong.py), h and gz come from them in bf16, then one cast + transpose pass
 # quantizes each (its amax folded in, as the Triton kernels' FP8 stores do), instead of from the Triton kernels with
 # FP8 stores: those lose more to their slower main loop and epilogue than the extra pass costs
-# (results/fp8_stage1_h100.txt). The ping-pong kernels writing FP8 themselves would save that pass too.
+# (results/fp8_stage1_h100.txt). Gated activations take this path on Hopper.
 SEPARATE_CAST = {"forward": True, "dgrad": True}
 # Better still, the ping-pong kernels quantize h and gz in their own epilogues (pingpong.linear_act_forward_fp8 and
 # dgrad_fp8: h8 and h8ᵀ, gz8 and gz8ᵀ out, the amax folded in), with no pass after them. Not gated.
