@@ -124,10 +124,10 @@ if AVAILABLE:
                 i += 1
 
     @gluon.jit
-    def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc, stage_bufs, base,
-                      q_bufs, qt_bufs, q_base, scale_ptr, amax_ptr, ACTIVATION: gl.constexpr,
-                      UP_ACTIVATION: gl.constexpr,
-                      GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
+    def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc, stage_bufs,
+                      base, q_bufs, qt_bufs, q_base, scale_ptr, amax_ptr, ACTIVATION: gl.constexpr,
+                      UP_ACTIVATION: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
         """out = act(acc + bias) and, if SAVE, dh/dz (see linear_act.py) for one tile, through TMA stores
         of [BM, PART] parts. Gated: acc's columns are [gate | up] for the tile's TN output columns.
         FP8_OUT (not gated): out quantized, staged in q_bufs[q_base:], and its transpose through qt_bufs to
@@ -244,8 +244,7 @@ if AVAILABLE:
     @gluon.jit
     def _consumer(a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, q_bufs,
                   qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K,
-                  WHO: gl.constexpr,
-                  B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
+                  WHO: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
                   UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr,
                   SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -297,8 +296,7 @@ if AVAILABLE:
                 if EPILOGUE == "act":
                     _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc,
                                   stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale_ptr, amax_ptr, ACTIVATION,
-                                  UP_ACTIVATION, GATE_UP_B,
-                                  HAS_BIAS, SAVE, FP8_OUT)
+                                  UP_ACTIVATION, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT)
                 else:
                     mbarrier.wait(bar, j & 1)
                     _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base,
@@ -319,7 +317,8 @@ if AVAILABLE:
         b_shape: gl.constexpr = [b_desc.block_type.shape[0] * (2 if GATE_UP_B else 1), b_desc.block_type.shape[1]]
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_shape, b_desc.layout)
-        if FP8_OUT:  # the 16-bit staging tiles hold dh/dz; h's FP8 parts get two small tiles per consumer
+        if FP8_OUT:  # the 16-bit staging tiles hold dh/dz (forward) or the saved parts (dgrad); the FP8 parts and
+            # their transposes get two small tiles of each per consumer
             stage_bufs = gl.allocate_shared_memory(aux_desc.dtype, [STAGING] + aux_desc.block_type.shape,
                                                    aux_desc.layout)
             q_bufs = gl.allocate_shared_memory(out_desc.dtype, [4] + out_desc.block_type.shape, out_desc.layout)
@@ -420,7 +419,8 @@ def _descriptor(t, block):
     shape, strides and dtype only, so one made earlier for a tensor at the same address and layout is the
     same descriptor: a training step allocates its activations at the same addresses as the step before.
     The cache saves building and checking the Python object. Triton's launcher still encodes each
-    descriptor it is passed at every launch (a measurable host cost: docs/performance.md), which is why the kernel is passed None for the ones it does not use."""
+    descriptor it is passed at every launch (a measurable host cost: docs/performance.md), which is why the
+    kernel is passed None for the ones it does not use."""
     key = (t.data_ptr(), t.shape, t.stride(), t.dtype, block)
     desc = _descriptors.get(key)
     if desc is None:
