@@ -64,8 +64,8 @@ import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .activations import activation, activation_grad, kernel_activations
-from .fp8_quantize import quantize
-from .matmul import _capability, column_offsets, matmul_loop, needs_int64, tile_ids, tma_operands
+from .fp8_quantize import quantize, to_fp16
+from .matmul import _capability, column_offsets, matmul_loop, needs_int64, tile_ids
 from .tuning import AUTOTUNE, INTERPRET, _config, cdiv, launch, launch_matmul, matmul_configs, tuned_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -133,7 +133,10 @@ def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, s
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
     cols = (offs_c.to(tl.int64) if INT64 else offs_c)[None, :]
-    v = tl.load(x_ptr + rows * stride_xm + cols, mask=(rows < M) & (cols < C), other=0.0).to(tl.float32)
+    v = tl.load(x_ptr + rows * stride_xm + cols, mask=(rows < M) & (cols < C), other=0.0)
+    if v.dtype.is_fp8():  # (transpose_fp8)
+        v = to_fp16(v, EMULATE)
+    v = v.to(tl.float32)
     _store_quantized(v, offs_m, offs_c, offs_c < C, M, Mp, q_ptr, C, qt_ptr, Mp, tl.load(scale_ptr), amax_ptr,
                      ROW_MAJOR, EMULATE, INT64)
 
@@ -163,11 +166,15 @@ def update_scales_kernel(history_ptr, position_ptr, amax_ptr, scale_ptr, inv_sca
 # the two epilogue kernels: bf16 main loops (matmul.matmul_loop), FP8 outputs
 
 @triton.jit
-def fp8_act_epilogue(z, z_up, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, saved_ptr, scale_ptr, amax_ptr,
+def fp8_act_epilogue(z, z_up, inv, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, saved_ptr, scale_ptr, amax_ptr,
                      stride_sm, ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
                      HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, INT64: tl.constexpr, EMULATE: tl.constexpr):
-    """h = act(z) (gated: gate_act(z)·up_act(z_up)) quantized to h8, and dh/dz in 16 bits."""
+    """h = act(z · inv) (gated: gate_act(z · inv)·up_act(z_up · inv)) quantized to h8, and dh/dz in 16 bits; inv:
+    the product of the FP8 operands' 1/scales."""
     n_mask = offs_n < N
+    z = z * inv
+    if GATED:
+        z_up = z_up * inv
     if HAS_BIAS:
         z += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
         if GATED:
@@ -192,22 +199,22 @@ def fp8_act_epilogue(z, z_up, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, saved_ptr
 
 @triton.jit
 def fp8_linear_act_kernel(
-    x_ptr, w_ptr, b_ptr, h8_ptr, saved_ptr, scale_ptr, amax_ptr, M, Mp, N, K,
+    x_ptr, w_ptr, b_ptr, h8_ptr, saved_ptr, scale_ptr, amax_ptr, x_inv_ptr, w_inv_ptr, M, Mp, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
     TMA: tl.constexpr, B_KMAJOR: tl.constexpr, EMULATE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """linear_act.linear_act_kernel's main loop (bf16), with fp8_act_epilogue."""
+    """linear_act.linear_act_kernel's main loop on FP8 x and W (upcast: see matmul_loop), with fp8_act_epilogue."""
     pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     z, z_up = matmul_loop(
         x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
         N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
-        TMA=TMA, B_KMAJOR=B_KMAJOR)
+        TMA=TMA, B_KMAJOR=B_KMAJOR, UPCAST=True)
     tl.static_assert(not SPLIT_EPILOGUE, "fp8_configs: whole-tile epilogues")
-    fp8_act_epilogue(z, z_up, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), M, Mp, N, b_ptr, h8_ptr,
+    fp8_act_epilogue(z, z_up, tl.load(x_inv_ptr) * tl.load(w_inv_ptr), offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), M, Mp, N, b_ptr, h8_ptr,
                      saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS,
                      ACC_DTYPE, INT64, EMULATE)
 
@@ -235,19 +242,21 @@ def fp8_dgrad_epilogue(grad_h, offs_m, offs_n, pid_m, M, Mp, N, saved_ptr, gz8_p
 
 @triton.jit
 def fp8_dgrad_kernel(
-    g_ptr, w_ptr, saved_ptr, gz8_ptr, gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, M, Mp, N, K,
+    g_ptr, w_ptr, saved_ptr, gz8_ptr, gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, g_inv_ptr, w_inv_ptr, M, Mp, N, K,
     stride_gm, stride_gk, stride_wk, stride_wn, stride_sm, stride_dbm,
     GATED: tl.constexpr, BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, INT64: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr, EMULATE: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """dgrad.dgrad_kernel's main loop (bf16: grad_h = grad_y @ W2), with fp8_dgrad_epilogue."""
+    """dgrad.dgrad_kernel's main loop on FP8 grad_y and W2 (grad_h = grad_y @ W2, upcast: see matmul_loop), with
+    fp8_dgrad_epilogue."""
     pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     grad_h = matmul_loop(g_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_gm, stride_gk,
                          stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64,
-                         BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR)[0]
+                         BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR, UPCAST=True)[0]
+    grad_h = grad_h * (tl.load(g_inv_ptr) * tl.load(w_inv_ptr))
     tl.static_assert(not SPLIT_EPILOGUE, "fp8_configs: whole-tile epilogues")
     fp8_dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, Mp, N, saved_ptr, gz8_ptr,
                        gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED, BIAS_GRAD,
@@ -305,7 +314,8 @@ class FP8State(torch.nn.Module):
         return self
 
     def weights(self, w_fc, w_proj):
-        """(W2 in e4m3 (C, H), its 1/scale, W1ᵀ in e4m3 (C, H or 2H) contiguous, its 1/scale), made again only
+        """quantize_weight of W1 then of W2: (W1 (H or 2H, C), W1ᵀ, its 1/scale, W2 (C, H), W2ᵀ, its 1/scale), made
+        again only
         when the parameters may have changed: after any torch.optim optimizer's step (counted by a global hook:
         the fused AdamW updates parameters without moving their version counters), or an in-place update that
         moves them (load_state_dict, a foreach optimizer). So once per optimizer step, however many micro-steps
@@ -313,7 +323,7 @@ class FP8State(torch.nn.Module):
         key = (_optimizer_steps, w_fc.data_ptr(), w_fc._version, w_proj.data_ptr(), w_proj._version, w_fc.dtype)
         if self._weights is None or self._weights[0] != key:
             with torch.no_grad():
-                self._weights = (key, (*quantize_weight(w_proj), *quantize_weight(w_fc, transpose=True)))
+                self._weights = (key, (*quantize_weight(w_fc), *quantize_weight(w_proj)))
         return self._weights[1]
 
     def weights_changed(self):
@@ -323,19 +333,25 @@ class FP8State(torch.nn.Module):
         return f"history={self.history.shape[1]}, calibrated={self.calibrated}"
 
 
-def quantize_weight(w, transpose=False):
-    """(fp8(W · scale) in e4m3, transposed and contiguous if asked; 1/scale), current scaling."""
+def quantize_weight(w):
+    """(fp8(W · scale) in e4m3, the same transposed and contiguous, 1/scale), current scaling: both copies, since
+    each GEMM takes its operands K-major (the forward W, the input gradient's Wᵀ)."""
     w = w.detach().float()
     amax = w.abs().amax()
     scale = torch.where((amax > 0) & amax.isfinite(), FP8_MAX[E4M3] / amax, torch.ones_like(amax))
     q = (w * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3])
     q = torch.where(w.isinf(), float("nan"), q).to(E4M3)  # ±inf: NaN, as in the kernels
-    return (q.t().contiguous() if transpose else q), scale.reciprocal().reshape(1)
+    return q, q.t().contiguous(), scale.reciprocal().reshape(1)
 
 
-def _set_current_scale(state, slot, t):
-    """Calibration: the slot's scale from t's own amax (where it is finite and nonzero)."""
-    amax = t.detach().abs().amax().float()
+def _set_current_scale(state, slot, t=None):
+    """Calibration: the slot's scale from t's own amax, or (t None) from the amax a kernel just folded into the slot,
+    which is then reset (where it is finite and nonzero; else the scale stays)."""
+    if t is None:
+        amax = state.amax[slot].clone()
+        state.amax[slot] = 0.0
+    else:
+        amax = t.detach().abs().amax().float()
     usable = (amax > 0) & amax.isfinite()
     scale = torch.where(usable, state.fp8_max[slot] / torch.where(usable, amax, 1.0), state.scale[slot])
     state.scale[slot] = scale
@@ -394,46 +410,41 @@ def fp8_configs(gated, dtype):
     return configs if AUTOTUNE else configs[:1]
 
 
-def fp8_linear_act(x2, weight, bias, activation, state):
-    """(h8 (M, N), h8ᵀ (N, Mp), dh/dz (M, weight rows)) for act(x2 @ weight.T + bias): see fp8_act_epilogue."""
+def fp8_linear_act(x8, w8, inv, bias, activation, state, dtype):
+    """(h8 (M, N), h8ᵀ (N, Mp), dh/dz (M, weight rows) in dtype) for act(x8 @ w8.T · inv[0] · inv[1] + bias), x8 and
+    w8 in e4m3: see fp8_act_epilogue."""
     act, up_act, gated = kernel_activations(activation)
-    M, K = x2.shape
-    N = weight.shape[0] // 2 if gated else weight.shape[0]
+    M, K = x8.shape
+    N = w8.shape[0] // 2 if gated else w8.shape[0]
     Mp = _padded(M)
-    h8 = torch.empty((M, N), device=x2.device, dtype=E4M3)
-    saved = torch.empty((M, weight.shape[0]), device=x2.device, dtype=weight.dtype)
-    descriptors, b_kmajor = tma_operands(x2, weight.t())
-    acc_dtype, precision = tl.float32, "ieee"
-    args = (x2, weight, bias if bias is not None else weight, h8, saved, state.scale[H:], state.amax[H:],
-            M, Mp, N, K, x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), saved.stride(0))
-    consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype,
-                  PRECISION=precision, INT64=needs_int64(x2, weight, saved, h8), TMA=bool(descriptors),
-                  B_KMAJOR=b_kmajor, EMULATE=INTERPRET)
-    key = ("fp8_linear_act", N, K, x2.dtype, weight.stride(), x2.device, *consts.values())
-    launch_matmul(fp8_linear_act_kernel, M, N, K, args, consts, gated, weight.dtype, key, descriptors=descriptors,
-                  configs=fp8_configs(gated, weight.dtype))
+    h8 = torch.empty((M, N), device=x8.device, dtype=E4M3)
+    saved = torch.empty((M, w8.shape[0]), device=x8.device, dtype=dtype)
+    args = (x8, w8, bias if bias is not None else saved, h8, saved, state.scale[H:], state.amax[H:], *inv,
+            M, Mp, N, K, x8.stride(0), x8.stride(1), w8.stride(0), w8.stride(1), saved.stride(0))
+    consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, ACC_DTYPE=tl.float32,
+                  PRECISION="ieee", INT64=needs_int64(x8, w8, saved, h8), TMA=False, B_KMAJOR=True, EMULATE=INTERPRET)
+    key = ("fp8_linear_act", N, K, dtype, w8.stride(), x8.device, *consts.values())
+    launch_matmul(fp8_linear_act_kernel, M, N, K, args, consts, gated, dtype, key, configs=fp8_configs(gated, dtype))
     return h8, transpose_fp8(h8, Mp, state), saved
 
 
-def fp8_dgrad(grad_y, w2, saved, activation, state, bias_grad):
-    """(gz8 (M, W), gz8ᵀ (W, Mp), the bias gradient or None) for gz = (grad_y @ w2) * saved, W = saved's width."""
+def fp8_dgrad(gy8, w2, inv, saved, activation, state, bias_grad):
+    """(gz8 (M, W), gz8ᵀ (W, Mp), the bias gradient or None) for gz = (gy8 @ w2 · inv[0] · inv[1]) * saved, gy8 in
+    e5m2 and w2 (K, N) in e4m3 (any strides: the K-major copy's transposed view), W = saved's width."""
     gated = kernel_activations(activation)[2]
-    M, K = grad_y.shape
+    M, K = gy8.shape
     N, width = w2.shape[1], saved.shape[1]
     Mp = _padded(M)
     gz8 = torch.empty((M, width), device=saved.device, dtype=E5M2)
     gzt8 = torch.empty((width, Mp), device=saved.device, dtype=E5M2)
-    descriptors, b_kmajor = tma_operands(grad_y, w2)
     consts = dict(GATED=gated, BIAS_GRAD=bias_grad, ACC_DTYPE=tl.float32, PRECISION="ieee",
-                  INT64=needs_int64(grad_y, w2, saved, gzt8), TMA=bool(descriptors), B_KMAJOR=b_kmajor,
-                  EMULATE=INTERPRET)
-    key = ("fp8_dgrad", N, K, grad_y.dtype, w2.stride(), grad_y.device, *consts.values())
+                  INT64=needs_int64(gy8, w2, saved, gzt8), TMA=False, B_KMAJOR=False, EMULATE=INTERPRET)
+    key = ("fp8_dgrad", N, K, saved.dtype, w2.stride(), gy8.device, *consts.values())
     cfg = tuned_config(key)  # one row of column sums per row-tile (before tuning: of the smallest BLOCK_M)
-    configs = fp8_configs(False, grad_y.dtype)
+    configs = fp8_configs(False, saved.dtype)
     block_m = cfg.kwargs["BLOCK_M"] if cfg else min(c.kwargs["BLOCK_M"] for c in configs)
     partial = torch.empty((cdiv(M, block_m), width), device=saved.device, dtype=torch.float32) if bias_grad else gz8
-    args = (grad_y, w2, saved, gz8, gzt8, partial, state.scale[GRAD_Z:], state.amax[GRAD_Z:], M, Mp, N, K,
-            grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1), saved.stride(0), partial.stride(0))
-    cfg = launch_matmul(fp8_dgrad_kernel, M, N, K, args, consts, False, grad_y.dtype, key, descriptors=descriptors,
-                        configs=configs)
+    args = (gy8, w2, saved, gz8, gzt8, partial, state.scale[GRAD_Z:], state.amax[GRAD_Z:], *inv, M, Mp, N, K,
+            gy8.stride(0), gy8.stride(1), w2.stride(0), w2.stride(1), saved.stride(0), partial.stride(0))
+    cfg = launch_matmul(fp8_dgrad_kernel, M, N, K, args, consts, False, saved.dtype, key, configs=configs)
     return gz8, gzt8, (partial[: cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0) if bias_grad else None)

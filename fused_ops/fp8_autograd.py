@@ -24,75 +24,81 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .activations import kernel_activations
-from .dgrad import linear_act_dgrad
 from .fp8 import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose,
                   check_fp8_device, fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
 from .graphs import graphs_usable
-from .linear_act import linear_act_forward
 from .ops import fused_op
 from . import pingpong
 
-# Where Hopper's ping-pong kernels run (pingpong.py), h and gz come from them in bf16, then one cast + transpose pass
-# quantizes each (its amax folded in, as the Triton kernels' FP8 stores do), instead of from the Triton kernels with
-# FP8 stores: those lose more to their slower main loop and epilogue than the extra pass costs
-# (results/fp8_stage1_h100.txt). Gated activations take this path on Hopper.
-SEPARATE_CAST = {"forward": True, "dgrad": True}
-# Better still, the ping-pong kernels quantize h and gz in their own epilogues (pingpong.linear_act_forward_fp8 and
-# dgrad_fp8: h8 and h8ᵀ, gz8 and gz8ᵀ out, the amax folded in), with no pass after them. Not gated.
+# Which kernel runs the two GEMMs with epilogues (x8 @ W1ᵀ, gy8 @ W2), best first; each step is taken where it can run:
+# - PINGPONG_FP8: Hopper's ping-pong kernels quantize h and gz in their own epilogues (pingpong.linear_act_forward_fp8
+#   and dgrad_fp8: h8 and h8ᵀ, gz8 and gz8ᵀ out, the amax folded in), with no pass after them. Not gated.
+# - SEPARATE_CAST: the ping-pong kernels write h and gz in 16 bits, then one cast + transpose pass quantizes each (its
+#   amax folded in): the gated activations on Hopper, whose kernels have no room for the FP8 staging tiles.
+# - else this file's Triton kernels (fp8.py) write them quantized: Ada, the CPU interpreter, or a failed ping-pong.
+# The ping-pong kernels take the FP8 operands straight into FP8 MMAs; measured at each stage in
+# results/fp8_stage1_h100.txt.
 PINGPONG_FP8 = {"forward": True, "dgrad": True}
+SEPARATE_CAST = {"forward": True, "dgrad": True}
 
 
-def _cast_after_forward(x2, w_fc, b_fc, activation):
-    """Whether the forward's h comes from the ping-pong kernel, then a cast pass (where that kernel will run)."""
+def _first_linear(x8, w8, inv, bias, activation, state, dtype):
+    """(h8, h8ᵀ, dh/dz in dtype) for h = act(x8 @ w8.T · inv[0] · inv[1] + bias), h quantized with the H slot's scale
+    and its amax folded into the slot's."""
+    act, up_act, gated = kernel_activations(activation)
+    M, rows = x8.shape[0], w8.shape[0]
+    hidden = rows // 2 if gated else rows
+    saved = torch.empty((M, rows), device=x8.device, dtype=dtype)
+    if PINGPONG_FP8["forward"] and pingpong.usable_fp8(x8, (w8,), (bias,), gated, hidden):
+        h8 = torch.empty((M, hidden), device=x8.device, dtype=E4M3)
+        h8t = torch.empty((hidden, _padded(M)), device=x8.device, dtype=E4M3)
+        if pingpong.linear_act_forward_fp8(x8, w8, inv, bias, act, h8, h8t, saved, state.scale[H:], state.amax[H:]):
+            return h8, h8t, saved
+    if SEPARATE_CAST["forward"] and pingpong.usable(x8, (w8,), (bias,), hidden if gated else None):
+        h = torch.empty((M, hidden), device=x8.device, dtype=dtype)
+        if pingpong.linear_act_forward(x8, w8, bias, act, up_act, gated, True, h, saved, inv=inv):
+            return (*cast_transpose(h, state, H, row_major=True), saved)
+    return fp8_linear_act(x8, w8, inv, bias, activation, state, dtype)
+
+
+def _second_dgrad(gy8, w2t8, inv, saved, activation, state, bias_grad):
+    """(gz8, gz8ᵀ, the first linear's bias gradient or None) for grad_z = (gy8 @ w2t8.T · inv[0] · inv[1]) * saved
+    (W2ᵀ = w2t8), grad_z quantized with the GRAD_Z slot's scale, its amax folded in."""
     gated = kernel_activations(activation)[2]
-    split = w_fc.shape[0] // 2 if gated else None
-    return SEPARATE_CAST["forward"] and pingpong.FAILURE is None and pingpong.usable(x2, (w_fc,), (b_fc,), split)
+    M, width = gy8.shape[0], saved.shape[1]
+    if PINGPONG_FP8["dgrad"] and pingpong.usable_fp8(gy8, (w2t8, saved), (), gated, width):
+        gz8 = torch.empty((M, width), device=gy8.device, dtype=E5M2)
+        gz8t = torch.empty((width, _padded(M)), device=gy8.device, dtype=E5M2)
+        ok, grad_b_fc = pingpong.dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, state.scale[GRAD_Z:],
+                                           state.amax[GRAD_Z:])
+        if ok:
+            return gz8, gz8t, grad_b_fc
+    if SEPARATE_CAST["dgrad"] and pingpong.usable(gy8, (w2t8, saved), split=w2t8.shape[0] if gated else None):
+        gz = torch.empty_like(saved)
+        ok, grad_b_fc = pingpong.dgrad(gy8, w2t8, saved, gz, gated, bias_grad, inv=inv)
+        if ok:
+            return (*cast_transpose(gz, state, GRAD_Z, row_major=True), grad_b_fc)
+    return fp8_dgrad(gy8, w2t8.t(), inv, saved, activation, state, bias_grad)
 
 
-def _pingpong_fp8_forward(x2, w_fc, b_fc, hidden, activation, state):
-    """(h8, h8ᵀ, dh/dz) with h8 from the ping-pong forward's FP8 epilogue, or None where that cannot run (or
-    failed: then the paths below, for the rest of the process)."""
-    act, _, gated = kernel_activations(activation)
-    if not (PINGPONG_FP8["forward"] and pingpong.usable_fp8(x2, (w_fc,), (b_fc,), gated, hidden)):
-        return None
-    M = x2.shape[0]
-    h8 = torch.empty((M, hidden), device=x2.device, dtype=E4M3)
-    h8t = torch.empty((hidden, _padded(M)), device=x2.device, dtype=E4M3)
-    saved = torch.empty((M, w_fc.shape[0]), device=x2.device, dtype=w_fc.dtype)
-    if not pingpong.linear_act_forward_fp8(x2, w_fc, b_fc, act, h8, h8t, saved, state.scale[H:], state.amax[H:]):
-        return None
-    return h8, h8t, saved
+def _calibrated(run, state, slot):
+    """run()'s result. On an MLP's first call (no history yet) run() goes twice: the first time only to measure the
+    amax of the tensor it quantizes, which then sets the slot's scale (current scaling, once)."""
+    if not state.calibrated:
+        run()
+        _set_current_scale(state, slot)
+    return run()
 
 
-def _pingpong_fp8_dgrad(gy, w_proj, saved, activation, state, bias_grad):
-    """(gz8, gz8ᵀ, the bias gradient or None) with gz8 from the ping-pong dgrad's FP8 epilogue, or None as above."""
-    gated = kernel_activations(activation)[2]
-    if not (PINGPONG_FP8["dgrad"] and pingpong.usable_fp8(gy, (w_proj, saved), (), gated, saved.shape[1])):
-        return None
-    M, width = gy.shape[0], saved.shape[1]
-    gz8 = torch.empty((M, width), device=gy.device, dtype=E5M2)
-    gz8t = torch.empty((width, _padded(M)), device=gy.device, dtype=E5M2)
-    ok, grad_b_fc = pingpong.dgrad_fp8(gy, w_proj, saved, gz8, gz8t, bias_grad, state.scale[GRAD_Z:],
-                                       state.amax[GRAD_Z:])
-    return (gz8, gz8t, grad_b_fc) if ok else None
-
-
-def _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):
-    """The same for the dgrad's gz (pingpong.takes_dgrad: the gated dgrad runs there only at small widths)."""
-    gated = kernel_activations(activation)[2]
-    return (SEPARATE_CAST["dgrad"] and pingpong.FAILURE is None and pingpong.takes_dgrad(gated, gy.shape[1], bias_grad)
-            and pingpong.usable(gy, (w_proj, saved), split=w_proj.shape[1] if gated else None))
-
-
-def _rows_and_transposed_copy(t, state, slot):
-    """t as rows (M, C) with a contiguous last dim, and its FP8 transposed copy (the calibrating call: at t's own
-    scale)."""
+def _quantized_rows(t, state, slot):
+    """(t as rows (M, C) with a contiguous last dim, its FP8 copy, its FP8 transposed copy) with the slot's scale (on
+    the calibrating call: t's own)."""
     t2 = t.reshape(-1, t.shape[-1])
     if t2.stride(1) != 1:
         t2 = t2.contiguous()
     if not state.calibrated:
         _set_current_scale(state, slot, t2)
-    return t2, cast_transpose(t2, state, slot)[1]
+    return (t2, *cast_transpose(t2, state, slot, row_major=True))
 
 
 def _without_autocast(fn):
@@ -107,20 +113,12 @@ def _without_autocast(fn):
 
 
 @_without_autocast
-def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_inv):
+def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8, w_proj_inv):
     """(y (M, C), xᵀ in e4m3, hᵀ in e4m3, dh/dz, the 1/scales x and h were quantized with) for rows x (M, C)."""
-    calibrate = not state.calibrated
-    x2, xt8 = _rows_and_transposed_copy(x, state, X)
-    from_epilogue = None if calibrate else _pingpong_fp8_forward(x2, w_fc, b_fc, w_proj.shape[1], activation, state)
-    if from_epilogue is not None:
-        h8, ht8, saved = from_epilogue
-    elif calibrate or _cast_after_forward(x2, w_fc, b_fc, activation):  # (calibrating: current scaling, once)
-        h, saved = linear_act_forward(x2, w_fc, b_fc, activation, save=True)
-        if calibrate:
-            _set_current_scale(state, H, h)
-        h8, ht8 = cast_transpose(h, state, H, row_major=True)
-    else:
-        h8, ht8, saved = fp8_linear_act(x2, w_fc, b_fc, activation, state)
+    x2, x8, xt8 = _quantized_rows(x, state, X)
+    inv_x = state.inv_scale[X, :1]
+    h8, ht8, saved = _calibrated(lambda: _first_linear(x8, w_fc8, (inv_x, w_fc_inv), b_fc, activation, state, x.dtype),
+                                 state, H)
     inv = state.inv_scale.clone()  # the scales x and h were quantized with, whatever updates come before backward
     y = torch._scaled_mm(h8, w_proj8.t(), scale_a=inv[H, :1], scale_b=w_proj_inv, bias=b_proj,
                          out_dtype=x.dtype, use_fast_accum=True)
@@ -128,24 +126,16 @@ def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_i
 
 
 @_without_autocast
-def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state, bias_grad, proj_bias_grad,
-              w_fc_grad=True, w_proj_grad=True):
+def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, activation, state,
+              bias_grad, proj_bias_grad, w_fc_grad=True, w_proj_grad=True):
     """(dx, dW1 or None, db1 or None, dW2 or None, db2 or None) for rows grad_y (M, C), a weight's gradient only where
     it is asked for (a frozen weight's GEMM is skipped); then the scales move on (update_scales)."""
-    calibrate = not state.calibrated
-    gy, gyt8 = _rows_and_transposed_copy(grad_y, state, GRAD_Y)
-    from_epilogue = None if calibrate else _pingpong_fp8_dgrad(gy, w_proj, saved, activation, state, bias_grad)
-    if from_epilogue is not None:
-        gz8, gzt8, grad_b_fc = from_epilogue
-    elif calibrate or _cast_after_dgrad(gy, w_proj, saved, activation, bias_grad):
-        gz, grad_b_fc = linear_act_dgrad(gy, w_proj, saved, activation, bias_grad=bias_grad)
-        if calibrate:
-            _set_current_scale(state, GRAD_Z, gz)
-        gz8, gzt8 = cast_transpose(gz, state, GRAD_Z, row_major=True)
-    else:
-        gz8, gzt8, grad_b_fc = fp8_dgrad(gy, w_proj, saved, activation, state, bias_grad)
+    gy, gy8, gyt8 = _quantized_rows(grad_y, state, GRAD_Y)
+    inv_gy = state.inv_scale[GRAD_Y, :1]
+    gz8, gzt8, grad_b_fc = _calibrated(
+        lambda: _second_dgrad(gy8, w_proj_t8, (inv_gy, w_proj_inv), saved, activation, state, bias_grad), state, GRAD_Z)
     del saved
-    inv_gy, inv_gz = state.inv_scale[GRAD_Y, :1], state.inv_scale[GRAD_Z, :1]
+    inv_gz = state.inv_scale[GRAD_Z, :1]
     grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_proj.dtype) \
         if w_proj_grad else None
     grad_b_proj = gy.sum(0) if proj_bias_grad else None
@@ -166,9 +156,11 @@ class FP8MLPFunction(torch.autograd.Function):
     differentiated."""
 
     @staticmethod
-    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv):
-        y, xt8, ht8, saved, inv = _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_proj8, w_proj_inv)
-        ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv)
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t8,
+                w_proj_inv):
+        y, xt8, ht8, saved, inv = _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8,
+                                           w_proj_inv)
+        ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv)
         ctx.activation, ctx.state, ctx.x_shape = activation, state, x.shape
         ctx.has_bias = (b_fc is not None, b_proj is not None)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -178,7 +170,7 @@ class FP8MLPFunction(torch.autograd.Function):
         bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2]
         grads = _backward(grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad,
                           ctx.has_bias[1] and ctx.needs_input_grad[4], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
-        return (grads[0].view(ctx.x_shape), *grads[1:]) + (None,) * 6
+        return (grads[0].view(ctx.x_shape), *grads[1:]) + (None,) * 8
 
 
 def _state(number):
@@ -190,15 +182,15 @@ def _state(number):
 
 @fused_op("fp8_mlp_forward")
 def fp8_forward_op(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_proj: Optional[Tensor],
-                   w_proj8: Tensor, w_proj_inv: Tensor, w_fc_t8: Tensor, w_fc_inv: Tensor, activation: str,
-                   state: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(y, then what backward needs: xᵀ8, hᵀ8, dh/dz, the 1/scales) for rows x; w_proj8 ... w_fc_inv: the weights'
+                   w_fc8: Tensor, w_fc_t8: Tensor, w_fc_inv: Tensor, w_proj8: Tensor, w_proj_t8: Tensor,
+                   w_proj_inv: Tensor, activation: str, state: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, then what backward needs: xᵀ8, hᵀ8, dh/dz, the 1/scales) for rows x; w_fc8 ... w_proj_inv: the weights'
     FP8 copies (quantize_weight), made by the compiled graph."""
-    return _forward(x, w_fc, b_fc, w_proj, b_proj, activation, _state(state), w_proj8, w_proj_inv)
+    return _forward(x, w_fc, b_fc, w_proj, b_proj, activation, _state(state), w_fc8, w_fc_inv, w_proj8, w_proj_inv)
 
 
 @fp8_forward_op.register_fake
-def _(x, w_fc, b_fc, w_proj, b_proj, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv, activation, state):
+def _(x, w_fc, b_fc, w_proj, b_proj, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t8, w_proj_inv, activation, state):
     M, C = x.shape
     hidden, Mp, f32 = w_proj.shape[1], _padded(x.shape[0]), torch.float32
     return (x.new_empty(M, C), x.new_empty(C, Mp, dtype=E4M3), x.new_empty(hidden, Mp, dtype=E4M3),
@@ -207,17 +199,18 @@ def _(x, w_fc, b_fc, w_proj, b_proj, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv, act
 
 @fused_op("fp8_mlp_backward")
 def fp8_backward_op(grad_y: Tensor, xt8: Tensor, ht8: Tensor, saved: Tensor, w_proj: Tensor, w_fc_t8: Tensor,
-                    w_fc_inv: Tensor, inv: Tensor, activation: str, state: int, bias_grad: bool,
-                    proj_bias_grad: bool, w_fc_grad: bool, w_proj_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    w_fc_inv: Tensor, w_proj_t8: Tensor, w_proj_inv: Tensor, inv: Tensor, activation: str, state: int,
+                    bias_grad: bool, proj_bias_grad: bool, w_fc_grad: bool,
+                    w_proj_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dW1, db1, dW2, db2) for rows grad_y; a gradient not asked for comes back empty."""
-    grads = _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, _state(state), bias_grad,
-                      proj_bias_grad, w_fc_grad, w_proj_grad)
+    grads = _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, activation,
+                      _state(state), bias_grad, proj_bias_grad, w_fc_grad, w_proj_grad)
     return tuple(grad_y.new_empty(0) if g is None else g for g in grads)
 
 
 @fp8_backward_op.register_fake
-def _(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state, bias_grad, proj_bias_grad,
-      w_fc_grad, w_proj_grad):
+def _(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, activation, state, bias_grad,
+      proj_bias_grad, w_fc_grad, w_proj_grad):
     (M, C), rows = grad_y.shape, saved.shape[1]
     return (grad_y.new_empty(M, C), w_proj.new_empty((rows, C) if w_fc_grad else (0,)),
             grad_y.new_empty(rows if bias_grad else 0), w_proj.new_empty(w_proj.shape if w_proj_grad else (0,)),
@@ -225,9 +218,9 @@ def _(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv, activation, state
 
 
 def _setup_context(ctx, inputs, output):
-    x, w_fc, b_fc, w_proj, b_proj, w_proj8, w_proj_inv, w_fc_t8, w_fc_inv, activation, state = inputs
+    x, w_fc, b_fc, w_proj, b_proj, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t8, w_proj_inv, activation, state = inputs
     _, xt8, ht8, saved, inv = output
-    ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, inv)
+    ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv)
     ctx.activation, ctx.state, ctx.has_bias = activation, state, (b_fc is not None, b_proj is not None)
 
 
@@ -237,7 +230,7 @@ def _op_backward(ctx, grad_y, *_):  # (no gradient flows into what the forward r
     grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj = fp8_backward_op.op(
         grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad, proj_bias_grad, w_fc_grad, w_proj_grad)
     return (grad_x, grad_w_fc if w_fc_grad else None, grad_b_fc if bias_grad else None,
-            grad_w_proj if w_proj_grad else None, grad_b_proj if proj_bias_grad else None) + (None,) * 6
+            grad_w_proj if w_proj_grad else None, grad_b_proj if proj_bias_grad else None) + (None,) * 8
 
 
 torch.library.register_autograd("fused_mlp::fp8_mlp_forward", _op_backward, setup_context=_setup_context)
@@ -291,7 +284,7 @@ def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, cached_copies):
         raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({hidden}) to be multiples "
                          "of 16 (FP8 GEMMs take K and N in multiples of 16)")
     if compiling or not cached_copies:  # the copies made here, every call (see the top of this file)
-        copies = (*quantize_weight(masters[1]), *quantize_weight(masters[0], transpose=True))
+        copies = (*quantize_weight(masters[0]), *quantize_weight(masters[1]))
     else:
         copies = state.weights(*masters)
     if compiling:

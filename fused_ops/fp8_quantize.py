@@ -4,7 +4,7 @@ epilogue.
 
 Under the Triton interpreter (CPU tests), whose float -> FP8 conversion mis-rounds values that carry into the next
 binade and turns NaN into 384, the FP8 encoding is done by hand (_encode_fp8); on a GPU the hardware conversion
-(round to nearest even) does it.
+(round to nearest even) does it. The way back (to_fp16) is exact everywhere, but there e4m3's NaN reads as 480.
 """
 
 import triton
@@ -46,3 +46,13 @@ def quantize(v, scale, OUT: tl.constexpr, EMULATE: tl.constexpr):
         else:
             return _encode_fp8(q, OUT, 2, 15, 6.103515625e-05)
     return q.to(OUT)
+
+
+@triton.jit
+def to_fp16(q, EMULATE: tl.constexpr):
+    """An FP8 tile in fp16: exact, every e4m3 and e5m2 value is an fp16 value. Under the interpreter, whose
+    conversion reads e4m3's NaN as 480 (and e5m2's right), NaN is put back by hand."""
+    v = q.to(tl.float16)
+    if EMULATE and q.dtype == tl.float8e4nv:
+        v = tl.where((q.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), v)
+    return v

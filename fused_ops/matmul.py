@@ -10,7 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_quantize import to_fp16
 from .tuning import INTERPRET, TMA_MODE, TensorDescriptor
+
+EMULATE_FP8 = tl.constexpr(INTERPRET)  # (to_fp16)
 
 
 @triton.jit
@@ -35,7 +38,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
                 INT64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 TMA: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
                 stats_ptr=None, ln_w_ptr=None, ln_b_ptr=None, LAYERNORM: tl.constexpr = False,
-                LN_WEIGHT: tl.constexpr = False, LN_BIAS: tl.constexpr = False):
+                LN_WEIGHT: tl.constexpr = False, LN_BIAS: tl.constexpr = False, UPCAST: tl.constexpr = False):
     """acc = A[off_m:off_m+BLOCK_M, :] @ B[:, off_n:off_n+BLOCK_N] over the whole K, for A (M, K) and B (K, N).
 
     Two ways to read the operands, chosen at compile time:
@@ -59,12 +62,16 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
     stats_ptr ((3, M): means, 1/std, the means' rounding residuals; see layernorm.layernorm_stats) and γ / β from ln_w_ptr / ln_b_ptr (with
     LN_WEIGHT / LN_BIAS). Only the normalized value is rounded to B's dtype for the dot, as eager
     LayerNorm then Linear would round it: rounding the raw row first (to 16 bits, under autocast) would
-    keep only the digits of its mean when the mean is large against the spread. Returns (acc, acc2).
+    keep only the digits of its mean when the mean is large against the spread.
+
+    With UPCAST (FP8 operands, fp8.py's Triton kernels), each tile is converted to fp16 before the dot: exact
+    (every e4m3 and e5m2 value is an fp16 value), so the products are exact as in an FP8 MMA, and the same code
+    runs under the interpreter and on any GPU. Returns (acc, acc2).
     """
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     if TMA:
-        tl.static_assert(not LAYERNORM, "the LayerNorm fold reads A through pointers")
+        tl.static_assert(not LAYERNORM and not UPCAST, "the LayerNorm fold and FP8 operands read through pointers")
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -107,9 +114,13 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
                 if LN_BIAS:
                     a += tl.load(ln_b_ptr + k * BLOCK_K + rk, mask=in_k, other=0.0).to(ACC_DTYPE)[None, :]
                 a = a.to(b_ptr.dtype.element_ty)
-            acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, input_precision=PRECISION)
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            if UPCAST:
+                a, b = to_fp16(a, EMULATE_FP8), to_fp16(b, EMULATE_FP8)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if TWO_B:
-                acc2 = tl.dot(a, tl.load(b_ptrs + b2_offset, mask=b_mask, other=0.0), acc2, input_precision=PRECISION)
+                b2 = tl.load(b_ptrs + b2_offset, mask=b_mask, other=0.0)
+                acc2 = tl.dot(a, to_fp16(b2, EMULATE_FP8) if UPCAST else b2, acc2, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
     return acc, acc2
@@ -145,10 +156,10 @@ def _capability(index):
     return torch.cuda.get_device_capability(index)
 
 
-def _tma_readable(t):
+def _tma_readable(t, dtypes=(torch.float16, torch.bfloat16, torch.float32)):
     """A tensor descriptor covers a 2-D tensor with a contiguous last dim, a 16-byte aligned base and
-    16-byte aligned row stride, in a dtype the tensor cores take from it."""
-    return (t.dim() == 2 and t.dtype in (torch.float16, torch.bfloat16, torch.float32) and t.stride(1) == 1
+    16-byte aligned row stride, in a dtype the tensor cores take from it (those of the kernel asking)."""
+    return (t.dim() == 2 and t.dtype in dtypes and t.stride(1) == 1
             and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
 
 

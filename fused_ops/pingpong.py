@@ -243,10 +243,11 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, q_bufs,
-                  qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N, K,
-                  WHO: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr,
-                  UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
+                  qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, a_inv_ptr, b_inv_ptr,
+                  M, N, K, WHO: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
+                  ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr,
+                  GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, FP8_OUT: gl.constexpr,
+                  FP8_IN: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         TN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]  # output columns per tile
@@ -254,7 +255,7 @@ if AVAILABLE:
         PART: gl.constexpr = out_desc.block_type.shape[1]
         S: gl.constexpr = a_bufs.type.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS_, 1],
-                                                             instr_shape=[16, BN, 16])
+                                                             instr_shape=[16, BN, 32 if FP8_IN else 16])
         base = WHO * (stage_bufs.type.shape[0] // 2)  # this consumer's half of the staging buffers
         bar = aux_bar.index(WHO)
         k_steps = gl.cdiv(K, BK)
@@ -292,6 +293,8 @@ if AVAILABLE:
                 mbarrier.arrive(turn.index(1 - WHO))
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(empty.index((i + k_steps - 1) % S))
+                if FP8_IN:  # the product of two quantized operands, times their 1/scales: the GEMM's value
+                    acc = acc * (gl.load(a_inv_ptr) * gl.load(b_inv_ptr))
 
                 if EPILOGUE == "act":
                     _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc,
@@ -307,16 +310,15 @@ if AVAILABLE:
 
     @gluon.jit
     def pingpong_kernel(a_desc, b_desc, b2_desc, out_desc, out2_desc, aux_desc, aux2_desc, bias_ptr, dbias_ptr,
-                        scale_ptr, amax_ptr, M, N, K, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
-                        ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, STAGES: gl.constexpr, STAGING: gl.constexpr,
-                        FP8_OUT: gl.constexpr):
-        dtype: gl.constexpr = a_desc.dtype
+                        scale_ptr, amax_ptr, a_inv_ptr, b_inv_ptr, M, N, K, B_KMAJOR: gl.constexpr,
+                        EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr,
+                        GATED: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, STAGES: gl.constexpr,
+                        STAGING: gl.constexpr, FP8_OUT: gl.constexpr, FP8_IN: gl.constexpr):
         # The gated forward's B tile holds the gate rows and the up rows of W for the same output columns.
         GATE_UP_B: gl.constexpr = GATED and EPILOGUE == "act"
         b_shape: gl.constexpr = [b_desc.block_type.shape[0] * (2 if GATE_UP_B else 1), b_desc.block_type.shape[1]]
-        a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_shape, b_desc.layout)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_shape, b_desc.layout)
         if FP8_OUT:  # the 16-bit staging tiles hold dh/dz (forward) or the saved parts (dgrad); the FP8 parts and
             # their transposes get two small tiles of each per consumer
             stage_bufs = gl.allocate_shared_memory(aux_desc.dtype, [STAGING] + aux_desc.block_type.shape,
@@ -340,13 +342,13 @@ if AVAILABLE:
             mbarrier.init(turn.index(w), count=1)
         gl.warp_specialize([
             (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
-                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N,
-                         K, 0, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE,
-                         FP8_OUT)),
+                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr,
+                         a_inv_ptr, b_inv_ptr, M, N, K, 0, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED,
+                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN)),
             (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
-                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, M, N,
-                         K, 1, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, GATE_UP_B, HAS_BIAS, SAVE,
-                         FP8_OUT)),
+                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr,
+                         a_inv_ptr, b_inv_ptr, M, N, K, 1, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED,
+                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN)),
             (_loader, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR, GATE_UP_B)),
         ], PARTITION_WARPS, PARTITION_REGS)
 
@@ -364,23 +366,31 @@ def takes_dgrad(gated, K, bias_grad):
     return not gated or (K <= GATED_DGRAD_MAX_K and not bias_grad)
 
 
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def usable(a, matrices, vectors=(), split=None):
     """Whether the ping-pong kernel can run out = epilogue(a @ B) for these operands (else the Triton
-    kernels do): a Hopper GPU with the TMA paths on (FUSED_OPS_TMA), one 16-bit dtype for a and every
-    matrix, all of them TMA-readable, contiguous vectors (bias) on the same device. split: a gated op's
-    column count N, where its [gate | up] matrices are cut in two (each half's start 16-byte aligned)."""
-    if not (AVAILABLE and ENABLED and a.dtype in (torch.bfloat16, torch.float16) and a.is_cuda):
+    kernels do): a Hopper GPU with the TMA paths on (FUSED_OPS_TMA), all matrices TMA-readable, contiguous
+    vectors (bias) on the same device, and the dtypes: one 16-bit dtype for a and every matrix; or FP8 inputs
+    (the FP8 MLP), a and the first matrix (B, passed K-major) in e4m3 or e5m2 and the rest (saved tensors) 16-bit.
+    split: a gated op's column count N, where its [gate | up] matrices are cut in two (each half's start
+    16-byte aligned)."""
+    fp8_in = a.dtype in FP8_DTYPES
+    if not (AVAILABLE and ENABLED and (a.dtype in SIXTEEN_BIT or fp8_in) and a.is_cuda):
         return False
     device = a.device
     if not (matmul.tma_available(device) and matmul._capability(device.index)[0] == 9):
         return False
-    for m in (a, *matrices):
-        if m is not None and (m.dtype != a.dtype or not matmul._tma_readable(m)):
+    for i, m in enumerate((a, *matrices)):
+        dtypes = (FP8_DTYPES if i < 2 else SIXTEEN_BIT) if fp8_in else (a.dtype,)
+        if m is not None and (m.dtype not in dtypes or not matmul._tma_readable(m, dtypes)):
             return False
     for v in vectors:
         if v is not None and not (v.is_contiguous() and v.device == device):
             return False
-    return split is None or split * a.element_size() % 16 == 0
+    return split is None or split * 2 % 16 == 0  # (the split halves are 16-bit: outputs, or saved tensors)
 
 
 @functools.lru_cache(maxsize=None)
@@ -432,42 +442,47 @@ def _descriptor(t, block):
 
 
 @functools.lru_cache(maxsize=None)
-def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, FP8_OUT=False):
+def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, FP8_OUT=False,
+                       FP8_IN=False):
     """(block of each descriptor in the kernel's order, output columns per tile, all the constexprs) of a
-    variant: fixed per variant, so worked out once."""
+    variant: fixed per variant, so worked out once. FP8 operands take K slices twice as long (128 bytes a
+    row, as 16-bit ones: the same ring slots)."""
     gate_up_b = GATED and EPILOGUE == "act"
     tn = BLOCK_N // 2 if gate_up_b else BLOCK_N
-    b_block = (tn, BLOCK_K) if b_kmajor else (BLOCK_K, tn)
+    bk = 2 * BLOCK_K if FP8_IN else BLOCK_K
+    b_block = (tn, bk) if b_kmajor else (bk, tn)
     part = (BLOCK_M, PART)
     stages, staging = SHARED_MEMORY_PLAN[EPILOGUE, GATED]
     out2 = (PART, BLOCK_M) if FP8_OUT else part  # (FP8_OUT: out2 is outᵀ)
     consts = types.MappingProxyType(dict(  # read-only: every launch of the variant shares it
         B_KMAJOR=b_kmajor, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION, UP_ACTIVATION=UP_ACTIVATION, GATED=GATED,
-        HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging, FP8_OUT=FP8_OUT))
-    return ((BLOCK_M, BLOCK_K), b_block, b_block, part, out2, part, part), tn, consts
+        HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging, FP8_OUT=FP8_OUT, FP8_IN=FP8_IN))
+    return ((BLOCK_M, bk), b_block, b_block, part, out2, part, part), tn, consts
 
 
 _compiled = {}  # (dtype, constexprs, which descriptors are None, specialization) -> compiled kernel (see _run)
 
 
-def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None, scale=None, amax=None, **consts):
+def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None, scale=None, amax=None, inv=None,
+            **consts):
     """out = epilogue(a @ B) with B = b.T (b_kmajor) or b. Gated, the second half of each pair (b2: the up
     rows of W, out2 / aux2: the up half of grad / saved) is its own tensor, a view cut at N. What a variant
     does not read or write is None (aux when the forward saves nothing, the halves when not gated): fewer
-    descriptors for the launcher to encode."""
+    descriptors for the launcher to encode. inv: (a's 1/scale, b's 1/scale) where a and b are FP8."""
     M, K = a.shape
     N = out.shape[1]
-    blocks, tn, consts = _blocks_and_consts(b_kmajor, **consts)
+    blocks, tn, consts = _blocks_and_consts(b_kmajor, **consts, FP8_IN=inv is not None)
     descs = [None if t is None else _descriptor(t, block) for t, block in zip((a, b, b2, out, out2, aux, aux2), blocks)]
-    _run((*descs, bias, dbias, scale, amax, M, N, K), consts, cdiv(M, BLOCK_M) * cdiv(N, tn), a.device)
+    a_inv, b_inv = inv or (None, None)
+    _run((*descs, bias, dbias, scale, amax, a_inv, b_inv, M, N, K), consts, cdiv(M, BLOCK_M) * cdiv(N, tn), a.device)
 
 
 def _run(args, consts, tiles, device):
     """Launch on min(tiles, SMs) persistent programs, compiling on the first call of a specialization."""
     grid = (min(tiles, _num_sms(device)), 1, 1)
-    # descriptors are typed by their dtype and block (fixed by the constexprs) and by being None or not; the
-    # rest as Triton specializes them
-    key = (args[0].base.dtype, tuple(consts.values()), tuple(d is None for d in args[:7]), _specialization(args[7:]))
+    # descriptors are typed by their dtype (or None) and block (fixed by the constexprs); the rest as Triton
+    # specializes them
+    key = (tuple(consts.values()), tuple(None if d is None else d.base.dtype for d in args[:7]), _specialization(args[7:]))
     compiled = _compiled.get(key)
     if compiled is not None:
         compiled[grid](*args, *consts.values())
@@ -493,9 +508,10 @@ def _fails(error):
                   stacklevel=3)
 
 
-def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, out, saved):
+def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, out, saved, inv=None):
     """out = act(x @ weight.T + bias) and, if save, saved = dh/dz (see linear_act.py), for 2-D x.
     Gated: weight (2N, K) = [gate; up], bias (2N,), saved (M, 2N) = [dh/dgate | dh/dup].
+    inv: (x's 1/scale, weight's 1/scale) where x and weight are FP8 (the FP8 MLP's gated forward).
     Returns False if the kernel failed, now or earlier in this process (see _fails): the caller then runs
     the Triton kernel, which writes every output."""
     if FAILURE is not None:
@@ -506,9 +522,9 @@ def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, 
         if gated:
             N = out.shape[1]
             _launch(x, weight[:N], out, saved[:, :N] if save else None, bias, None, True, b2=weight[N:],
-                    aux2=saved[:, N:] if save else None, **consts)
+                    aux2=saved[:, N:] if save else None, inv=inv, **consts)
         else:
-            _launch(x, weight, out, saved if save else None, bias, None, True, **consts)
+            _launch(x, weight, out, saved if save else None, bias, None, True, inv=inv, **consts)
     except Exception as e:  # compiling or launching: see _fails
         _fails(e)
         return False
@@ -519,9 +535,9 @@ FP8_FAILURE = None  # the exception that turned the FP8 output off (the 16-bit k
 
 
 def usable_fp8(a, matrices, vectors, gated, width):
-    """Whether linear_act_forward_fp8 / dgrad_fp8 can run on these operands: usable()'s conditions, not gated
-    (its staging tiles would not fit beside the gated kernels'), an FP8 output of width columns that TMA can
-    write, and the FP8 variant not failed before."""
+    """Whether linear_act_forward_fp8 / dgrad_fp8 can run on these operands (a and the first matrix FP8):
+    usable()'s conditions, not gated (its staging tiles would not fit beside the gated kernels'), an FP8 output
+    of width columns that TMA can write, and the FP8 variant not failed before."""
     return (FP8_FAILURE is None and FAILURE is None and not gated and width % 16 == 0 and usable(a, matrices, vectors))
 
 
@@ -541,45 +557,51 @@ def _launch_fp8(what, *args, **kwargs):
     return True
 
 
-def linear_act_forward_fp8(x, weight, bias, activation, h8, h8t, saved, scale, amax):
-    """h8 = fp8(act(x @ weight.T + bias) · scale[0]) (M, N), h8t its transpose (N, Mp >= M, columns past M
-    zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz, for 2-D x (not gated). Returns False if the kernel
-    failed (see _launch_fp8): the caller then runs the 16-bit kernel and casts."""
-    return _launch_fp8("h", x, weight, h8, saved, bias, None, True, out2=h8t, scale=scale, amax=amax,
+def linear_act_forward_fp8(x8, w8, inv, bias, activation, h8, h8t, saved, scale, amax):
+    """The FP8 MLP's forward GEMM, FP8 in and out: h = act(x8 @ w8.T · inv[0] · inv[1] + bias) for x8 (M, K) and
+    w8 (N, K) in e4m3 (not gated), h8 = fp8(h · scale[0]) (M, N), h8t its transpose (N, Mp >= M, columns past M
+    zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz. Returns False if the kernel failed (see
+    _launch_fp8): the caller then runs the 16-bit output and casts."""
+    return _launch_fp8("h", x8, w8, h8, saved, bias, None, True, out2=h8t, scale=scale, amax=amax, inv=inv,
                        EPILOGUE="act", ACTIVATION=activation, UP_ACTIVATION="identity", GATED=False,
                        HAS_BIAS=bias is not None, SAVE=True, FP8_OUT=True)
 
 
-def dgrad_fp8(grad_y, w2, saved, gz8, gz8t, bias_grad, scale, amax):
-    """gz8 = fp8((grad_y @ w2) * saved · scale[0]) (M, W) in e5m2, gz8t its transpose (W, Mp >= M, columns past M
-    zeros), amax[0] = max(amax[0], max |grad_z|), not gated. Returns (True, the column sums of the unquantized
-    grad_z in fp32 if bias_grad else None), or (False, None) as linear_act_forward_fp8."""
-    partial = (torch.empty((cdiv(grad_y.shape[0], BLOCK_M), gz8.shape[1]), device=gz8.device, dtype=torch.float32)
+def dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, scale, amax):
+    """The FP8 MLP's dgrad, FP8 in and out: grad_z = (gy8 @ w2t8.T · inv[0] · inv[1]) * saved for gy8 (M, K) in
+    e5m2 and W2ᵀ = w2t8 (W, K) in e4m3 (K-major, as FP8 operands must be), not gated; gz8 = fp8(grad_z · scale[0])
+    (M, W) in e5m2, gz8t its transpose (W, Mp >= M, columns past M zeros), amax[0] = max(amax[0], max |grad_z|).
+    Returns (True, the column sums of the unquantized grad_z in fp32 if bias_grad else None), or (False, None)
+    as linear_act_forward_fp8."""
+    partial = (torch.empty((cdiv(gy8.shape[0], BLOCK_M), gz8.shape[1]), device=gz8.device, dtype=torch.float32)
                if bias_grad else None)
-    if not _launch_fp8("grad_z", grad_y, w2, gz8, saved, None, partial, False, out2=gz8t, scale=scale, amax=amax,
-                       EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=False,
+    if not _launch_fp8("grad_z", gy8, w2t8, gz8, saved, None, partial, True, out2=gz8t, scale=scale, amax=amax,
+                       inv=inv, EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=False,
                        HAS_BIAS=bias_grad, SAVE=False, FP8_OUT=True):
         return False, None
     return True, (partial.sum(0) if bias_grad else None)
 
 
-def dgrad(grad_y, w2, saved, out, gated, bias_grad):
+def dgrad(grad_y, w2, saved, out, gated, bias_grad, inv=None):
     """out = (grad_y @ w2) * saved (see dgrad.py). Returns (True, the column sums of out in fp32 if
     bias_grad else None), or (False, None) if the kernel failed (see linear_act_forward).
-    Gated: saved and out are (M, 2N) = [gate | up] halves, each multiplied by the same grad_y @ w2."""
+    Gated: saved and out are (M, 2N) = [gate | up] halves, each multiplied by the same grad_y @ w2.
+    inv: (grad_y's 1/scale, w2's 1/scale) where grad_y and w2 are FP8 (the FP8 MLP's gated dgrad); w2 is then
+    passed as W2ᵀ (N, K), K-major, as FP8 operands must be."""
     if FAILURE is not None:
         return False, None
-    M, N = grad_y.shape[0], w2.shape[1]
+    M, N = grad_y.shape[0], (w2.shape[0] if inv else w2.shape[1])
     partial = (torch.empty((cdiv(M, BLOCK_M), out.shape[1]), device=out.device, dtype=torch.float32)
                if bias_grad else None)
     consts = dict(EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=gated,
                   HAS_BIAS=bias_grad, SAVE=False)
+    b_kmajor = inv is not None
     try:
         if gated:
-            _launch(grad_y, w2, out[:, :N], saved[:, :N], None, partial, False, out2=out[:, N:], aux2=saved[:, N:],
-                    **consts)
+            _launch(grad_y, w2, out[:, :N], saved[:, :N], None, partial, b_kmajor, out2=out[:, N:], aux2=saved[:, N:],
+                    inv=inv, **consts)
         else:
-            _launch(grad_y, w2, out, saved, None, partial, False, **consts)
+            _launch(grad_y, w2, out, saved, None, partial, b_kmajor, inv=inv, **consts)
     except Exception as e:
         _fails(e)
         return False, None
