@@ -25,7 +25,8 @@ from torch import Tensor
 
 from .activations import kernel_activations
 from .fp8 import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose,
-                  check_fp8_device, fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
+                  check_fp8_device, fp8_dgrad, fp8_linear_act, quantize_weight, quantize_weight_fused,
+                  update_scales)
 from .graphs import graphs_usable
 from .ops import fused_op
 from . import pingpong
@@ -283,8 +284,10 @@ def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, cached_copies):
     if C % 16 or hidden % 16:
         raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({hidden}) to be multiples "
                          "of 16 (FP8 GEMMs take K and N in multiples of 16)")
-    if compiling or not cached_copies:  # the copies made here, every call (see the top of this file)
+    if compiling:  # the copies made here, every call (see the top of this file); inductor fuses quantize_weight
         copies = (*quantize_weight(masters[0]), *quantize_weight(masters[1]))
+    elif not cached_copies:  # (graphs.py's replays)
+        copies = (*quantize_weight_fused(masters[0]), *quantize_weight_fused(masters[1]))
     else:
         copies = state.weights(*masters)
     if compiling:

@@ -350,6 +350,28 @@ def test_weight_copies_are_made_once_per_optimizer_step():
     assert torch.equal(state.weights(fc.weight, proj.weight)[2], 2 * latest[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_fused_weight_cast_is_quantize_weight_bit_for_bit(dtype):
+    """quantize_weight_fused (eager: three kernels) against quantize_weight (PyTorch's ops, what torch.compile traces):
+    the same bits for both copies and the same 1/scale, with special values (±inf: NaN; a NaN weight: NaN
+    everywhere, scale 1; an all-zero weight: scale 1)."""
+    torch.manual_seed(0)
+    cases = {"random": torch.randn(48, 80) * 3, "zeros": torch.zeros(32, 16)}
+    cases["inf"] = cases["random"].clone()
+    cases["inf"][3, 4], cases["inf"][5, 6] = float("inf"), -float("inf")
+    cases["nan"] = cases["random"].clone()
+    cases["nan"][7, 1] = float("nan")
+    for name, w in cases.items():
+        w = w.to(dtype)
+        ours, want = fp8.quantize_weight_fused(w), fp8.quantize_weight(w)
+        for o, e in zip(ours, want):
+            assert o.shape == e.shape and o.dtype == e.dtype, name
+            if o.dtype == E4M3:
+                assert torch.equal(o.view(torch.uint8), e.view(torch.uint8)), name
+            else:
+                assert torch.equal(o, e), name
+
+
 def test_no_grad_runs_the_bf16_fused_path():
     from fused_ops import fused_mlp
     fc, proj = make_mlp(32, 64, "gelu", torch.float16, "cpu")
