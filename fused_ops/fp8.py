@@ -127,8 +127,10 @@ def _store_quantized(v, offs_m, offs_n, n_ok, M, Mp, q_ptr, stride_q, qt_ptr, st
 @triton.jit
 def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, stride_xm,
                           ROW_MAJOR: tl.constexpr, EMULATE: tl.constexpr, INT64: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    """qt (C, Mp) = fp8(x · scale)ᵀ with zero columns past M, and (ROW_MAJOR) q (M, C) = fp8(x · scale)."""
+                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr = True):
+    """qt (C, Mp) = fp8(x · scale)ᵀ with zero columns past M (if TRANSPOSED), and (ROW_MAJOR) q (M, C) =
+    fp8(x · scale). The transposed copy is right for 16-bit x only: from fp32 x it came out wrong on an H100 and
+    an H200 with Triton 3.6 (quantize_weight_fused asks for the row-major one only)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
@@ -138,7 +140,7 @@ def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, s
         v = to_fp16(v, EMULATE)
     v = v.to(tl.float32)
     _store_quantized(v, offs_m, offs_c, offs_c < C, M, Mp, q_ptr, C, qt_ptr, Mp, tl.load(scale_ptr), amax_ptr,
-                     ROW_MAJOR, EMULATE, INT64)
+                     ROW_MAJOR, EMULATE, INT64, TRANSPOSED)
 
 
 @triton.jit
@@ -167,9 +169,10 @@ def weight_scale_kernel(amax_ptr, scale_ptr, inv_ptr, FP8_MAX: tl.constexpr):
     """A weight's current scale from its amax (1 where that is 0, inf or NaN), and its 1/scale: quantize_weight's."""
     amax = tl.load(amax_ptr)
     usable = (amax > 0.0) & (amax < float("inf"))  # (NaN compares false)
-    scale = tl.where(usable, FP8_MAX / tl.where(usable, amax, 1.0), 1.0)
+    # correctly rounded divisions, as torch's (Triton's `/` on fp32 is approximate on a GPU)
+    scale = tl.where(usable, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), tl.where(usable, amax, 1.0)), 1.0)
     tl.store(scale_ptr, scale)
-    tl.store(inv_ptr, 1.0 / scale)
+    tl.store(inv_ptr, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -357,8 +360,8 @@ def quantize_weight(w):
 
 
 def quantize_weight_fused(w):
-    """quantize_weight, bit for bit, in three kernels (the amax, the scale, one cast pass that writes both copies)
-    where it runs eagerly, instead of about ten elementwise ops over the weight: ~170 µs of GPU time for GPT-2
+    """quantize_weight, bit for bit, in four kernels (the amax, the scale, one cast pass, one transposing copy of the
+    FP8 result) where it runs eagerly, instead of about ten elementwise ops over the weight: ~170 µs of GPU time for GPT-2
     small's two MLP weights, which the FP8 MLP's CUDA graphs (fp8_layers_as_function) spend at every call. Inside
     torch.compile, quantize_weight runs instead (inductor fuses it; a raw kernel launch would break the trace)."""
     w = w.detach()
@@ -368,9 +371,8 @@ def quantize_weight_fused(w):
     inv = torch.empty(1, device=w.device)
     launch(weight_scale_kernel, (1,), (amax, scale, inv), dict(FP8_MAX=FP8_MAX[E4M3]), num_warps=1)
     q = torch.empty((N, K), device=w.device, dtype=E4M3)
-    qt = torch.empty((K, N), device=w.device, dtype=E4M3)
-    _cast_transpose_into(w if w.stride(1) == 1 else w.contiguous(), q, qt, scale, scale[1:], True)
-    return q, qt, inv
+    _cast_transpose_into(w if w.stride(1) == 1 else w.contiguous(), q, q, scale, scale[1:], True, N, transposed=False)
+    return q, q.t().contiguous(), inv
 
 
 def _set_current_scale(state, slot, t=None):
@@ -408,17 +410,18 @@ def cast_transpose(x2, state, slot, row_major=False):
     M, C = x2.shape
     qt = torch.empty((C, _padded(M)), device=x2.device, dtype=SLOT_DTYPES[slot])
     q = torch.empty((M, C), device=x2.device, dtype=qt.dtype) if row_major else qt
-    _cast_transpose_into(x2, q, qt, state.scale[slot:], state.amax[slot:], row_major)
+    _cast_transpose_into(x2, q, qt, state.scale[slot:], state.amax[slot:], row_major, qt.shape[1])
     return (q if row_major else None), qt
 
 
-def _cast_transpose_into(x2, q, qt, scale, amax, row_major):
-    """cast_transpose_kernel: qt (C, Mp) and, if row_major, q (M, C) = x2 quantized with scale[0], amax folded in."""
+def _cast_transpose_into(x2, q, qt, scale, amax, row_major, Mp, transposed=True):
+    """cast_transpose_kernel: qt (C, Mp) if transposed and, if row_major, q (M, C) = x2 quantized with scale[0], amax
+    folded in."""
     M, C = x2.shape
-    Mp = qt.shape[1]
     bm, bc, warps = CAST_TILE[row_major]
     launch(cast_transpose_kernel, (cdiv(Mp, bm), cdiv(C, bc)), (x2, q, qt, scale, amax, M, C, Mp, x2.stride(0)),
-           dict(ROW_MAJOR=row_major, EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=bm, BLOCK_C=bc), warps)
+           dict(ROW_MAJOR=row_major, EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=bm, BLOCK_C=bc,
+                TRANSPOSED=transposed), warps)
 
 
 def transpose_fp8(q, Mp, state):

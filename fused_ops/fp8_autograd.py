@@ -50,10 +50,11 @@ def _first_linear(x8, w8, inv, bias, activation, state, dtype):
     M, rows = x8.shape[0], w8.shape[0]
     hidden = rows // 2 if gated else rows
     saved = torch.empty((M, rows), device=x8.device, dtype=dtype)
-    if PINGPONG_FP8["forward"] and pingpong.usable_fp8(x8, (w8,), (bias,), gated, hidden):
+    if PINGPONG_FP8["forward"] and pingpong.usable_fp8(x8, (w8,), (bias,), hidden, hidden if gated else None):
         h8 = torch.empty((M, hidden), device=x8.device, dtype=E4M3)
         h8t = torch.empty((hidden, _padded(M)), device=x8.device, dtype=E4M3)
-        if pingpong.linear_act_forward_fp8(x8, w8, inv, bias, act, h8, h8t, saved, state.scale[H:], state.amax[H:]):
+        if pingpong.linear_act_forward_fp8(x8, w8, inv, bias, act, h8, h8t, saved, state.scale[H:], state.amax[H:],
+                                           up_act, gated):
             return h8, h8t, saved
     if SEPARATE_CAST["forward"] and pingpong.usable(x8, (w8,), (bias,), hidden if gated else None):
         h = torch.empty((M, hidden), device=x8.device, dtype=dtype)
@@ -67,14 +68,15 @@ def _second_dgrad(gy8, w2t8, inv, saved, activation, state, bias_grad):
     (W2ᵀ = w2t8), grad_z quantized with the GRAD_Z slot's scale, its amax folded in."""
     gated = kernel_activations(activation)[2]
     M, width = gy8.shape[0], saved.shape[1]
-    if PINGPONG_FP8["dgrad"] and pingpong.usable_fp8(gy8, (w2t8, saved), (), gated, width):
+    split = w2t8.shape[0] if gated else None
+    if PINGPONG_FP8["dgrad"] and pingpong.usable_fp8(gy8, (w2t8, saved), (), width, split, dgrad=True):
         gz8 = torch.empty((M, width), device=gy8.device, dtype=E5M2)
         gz8t = torch.empty((width, _padded(M)), device=gy8.device, dtype=E5M2)
         ok, grad_b_fc = pingpong.dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, state.scale[GRAD_Z:],
-                                           state.amax[GRAD_Z:])
+                                           state.amax[GRAD_Z:], gated)
         if ok:
             return gz8, gz8t, grad_b_fc
-    if SEPARATE_CAST["dgrad"] and pingpong.usable(gy8, (w2t8, saved), split=w2t8.shape[0] if gated else None):
+    if SEPARATE_CAST["dgrad"] and pingpong.usable(gy8, (w2t8, saved), split=split):
         gz = torch.empty_like(saved)
         ok, grad_b_fc = pingpong.dgrad(gy8, w2t8, saved, gz, gated, bias_grad, inv=inv)
         if ok:

@@ -55,6 +55,8 @@ try:  # Gluon is experimental and changes between Triton releases: anything miss
     # versions async_load / async_store (and make the old names raise).
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    if not hasattr(gl.shared_memory_descriptor, "reinterpret"):  # (Triton 3.6 names it _reinterpret)
+        gl.shared_memory_descriptor.reinterpret = gl.shared_memory_descriptor._reinterpret
     AVAILABLE = hasattr(gl, "warp_specialize") and not INTERPRET
 except (ImportError, AttributeError):  # a Triton without (this) Gluon: the Triton kernels do everything
     AVAILABLE = False
@@ -70,6 +72,10 @@ SHARED_MEMORY_PLAN = {
     ("act", True): (4, 12),   # 224 KB: h, dh/dgate and dh/dup of a part, two parts in flight
     ("mul", True): (3, 16),   # 224 KB: both saved halves' 4 parts prefetched; one ring slot less
 }
+# FP8_OUT (4 KB tiles of h8 and h8ᵀ or gz8 and gz8ᵀ beside them, two of each per consumer; 32 KB in all), where the
+# plan differs: the gated forward stages only dh/dgate and dh/dup (224 KB); the gated dgrad stores its FP8 parts
+# from the spent saved tiles (224 KB). The plain ones: 224 KB.
+FP8_SHARED_MEMORY_PLAN = {("act", True): (4, 8)}
 GROUP_M = 8
 CONSUMER_WARPS = 8
 WARPS = 2 * CONSUMER_WARPS + 4  # registers are handed out per warpgroup: the 1-warp loader holds 4 warps' worth
@@ -130,14 +136,16 @@ if AVAILABLE:
                       SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
         """out = act(acc + bias) and, if SAVE, dh/dz (see linear_act.py) for one tile, through TMA stores
         of [BM, PART] parts. Gated: acc's columns are [gate | up] for the tile's TN output columns.
-        FP8_OUT (not gated): out quantized, staged in q_bufs[q_base:], and its transpose through qt_bufs to
-        out2_desc (rows M..Mp of it zeros), its amax over rows < M folded in."""
+        FP8_OUT: out quantized, staged in q_bufs[q_base:], and its transpose through qt_bufs to out2_desc (rows
+        M..Mp of it zeros), its amax over rows < M folded in; the staging tiles hold only dh/dz (always saved)."""
         BM: gl.constexpr = acc.shape[0]
         BN: gl.constexpr = acc.shape[1]
         TN: gl.constexpr = BN // 2 if GATE_UP_B else BN
         PART: gl.constexpr = out_desc.block_type.shape[1]
-        PER_PART: gl.constexpr = 3 if GATE_UP_B else 2  # staging buffers of one part: h, dh/dgate[, dh/dup]
-        STORES: gl.constexpr = 3 if FP8_OUT else 1 + (PER_PART - 1) * SAVE  # the TMA stores one part issues
+        # staging buffers of one part: [h,] dh/dz or dh/dgate[, dh/dup]; AUX: where dh/dz or dh/dgate is
+        PER_PART: gl.constexpr = (2 if FP8_OUT else 3) if GATE_UP_B else 2
+        AUX: gl.constexpr = 0 if FP8_OUT and GATE_UP_B else 1
+        STORES: gl.constexpr = (2 + PER_PART - AUX) if FP8_OUT else 1 + (PER_PART - 1) * SAVE  # one part's TMA stores
         if HAS_BIAS:  # gated: acc column c is output off_n + c % TN of the gate (c < TN) or up half (N further)
             c = gl.arange(0, BN, layout=gl.SliceLayout(0, acc.type.layout))
             cols = off_n + c % TN
@@ -169,21 +177,22 @@ if AVAILABLE:
             col = off_n + p * PART
             if GATE_UP_B:
                 up = activation(ups[p], UP_ACTIVATION)
-                stage_bufs.index(bufs).store((gate * up).to(out_desc.dtype))
-                if SAVE:
-                    stage_bufs.index(bufs + 1).store((up * gate_grad).to(aux_desc.dtype))
-                    stage_bufs.index(bufs + 2).store((gate * activation_grad(ups[p], UP_ACTIVATION)).to(aux_desc.dtype))
-            elif FP8_OUT:  # (rows past M hold act(bias): kept out of the amax; TMA clips their stores)
-                gate = gl.where(rows_ok, gate, 0.0)
-                tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(gate), axis=1), axis=0))
-                q = quantize(gate, scale, out_desc.dtype, False)
+                h = gate * up
+            else:
+                h = gate
+            if FP8_OUT:  # (rows past M hold act(bias): kept out of the amax; TMA clips their stores)
+                h = gl.where(rows_ok, h, 0.0)
+                tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(h), axis=1), axis=0))
+                q = quantize(h, scale, out_desc.dtype, False)
                 q_bufs.index(q_base + p % 2).store(q)
                 qt_bufs.index(q_base + p % 2).store(gl.permute(q, (1, 0)))
-                stage_bufs.index(bufs + 1).store(gate_grad.to(aux_desc.dtype))
             else:
-                stage_bufs.index(bufs).store(gate.to(out_desc.dtype))
-                if SAVE:
-                    stage_bufs.index(bufs + 1).store(gate_grad.to(aux_desc.dtype))
+                stage_bufs.index(bufs).store(h.to(out_desc.dtype))
+            if SAVE and GATE_UP_B:
+                stage_bufs.index(bufs + AUX).store((up * gate_grad).to(aux_desc.dtype))
+                stage_bufs.index(bufs + AUX + 1).store((gate * activation_grad(ups[p], UP_ACTIVATION)).to(aux_desc.dtype))
+            elif SAVE:
+                stage_bufs.index(bufs + 1).store(gate_grad.to(aux_desc.dtype))
             fence_async_shared()  # the warps' shared-memory writes, before the copy engine reads them
             if FP8_OUT:
                 tma_store(out_desc, [off_m, col], q_bufs.index(q_base + p % 2))
@@ -191,9 +200,9 @@ if AVAILABLE:
             else:
                 tma_store(out_desc, [off_m, col], stage_bufs.index(bufs))
             if SAVE:
-                tma_store(aux_desc, [off_m, col], stage_bufs.index(bufs + 1))
+                tma_store(aux_desc, [off_m, col], stage_bufs.index(bufs + AUX))
                 if GATE_UP_B:
-                    tma_store(aux2_desc, [off_m, col], stage_bufs.index(bufs + 2))
+                    tma_store(aux2_desc, [off_m, col], stage_bufs.index(bufs + AUX + 1))
         if FP8_OUT:
             gl.atomic_max(amax_ptr, tile_amax)
 
@@ -203,28 +212,40 @@ if AVAILABLE:
                       FP8_OUT: gl.constexpr):
         """grad = acc * saved for one tile, the saved parts already in stage_bufs[base:] (gated: the
         dh/dgate parts, then the dh/dup parts), written back there and stored; with HAS_BIAS each
-        column's sum over the tile's rows to row pid_m of the bias-gradient partials. FP8_OUT (not gated):
-        grad quantized part by part through q_bufs / qt_bufs (two of each per consumer, alternating) to
-        out_desc and, transposed, out2_desc; its amax folded in (rows past M are zeros: grad_y's are)."""
+        column's sum over the tile's rows to row pid_m of the bias-gradient partials. FP8_OUT: grad quantized
+        part by part to out_desc and, transposed, out2_desc (both over the whole [gate | up] width when gated),
+        its amax folded in (rows past M are zeros: grad_y's are); staged through q_bufs / qt_bufs (two of each per
+        consumer, alternating), or, gated, in the spent saved tile itself (its 8 KB hold the part's 4 KB q and
+        4 KB qᵀ: the gated kernel has no shared memory left for more)."""
         PART: gl.constexpr = out_desc.block_type.shape[1]
         HALVES: gl.constexpr = 2 if GATED else 1
         parts = _column_quarters(acc)
         if FP8_OUT:
             scale = gl.load(scale_ptr)
             tile_amax = 0.0
-            for p in gl.static_range(4):
-                grad = parts[p] * stage_bufs.index(base + p).load(parts[p].type.layout).to(gl.float32)
-                if HAS_BIAS:
-                    offs = off_n + p * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, grad.type.layout))
-                    gl.store(dbias_ptr + pid_m * N + offs, gl.sum(grad, axis=0), mask=offs < N)
-                tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(grad), axis=1), axis=0))
-                q = quantize(grad, scale, out_desc.dtype, False)
-                tma.store_wait(2)  # (the part before this one's two stores may still read the other buffers)
-                q_bufs.index(q_base + p % 2).store(q)
-                qt_bufs.index(q_base + p % 2).store(gl.permute(q, (1, 0)))
-                fence_async_shared()
-                tma_store(out_desc, [off_m, off_n + p * PART], q_bufs.index(q_base + p % 2))
-                tma_store(out2_desc, [off_n + p * PART, off_m], qt_bufs.index(q_base + p % 2))
+            for half in gl.static_range(HALVES):
+                for p in gl.static_range(4):
+                    buf = stage_bufs.index(base + 4 * half + p)
+                    grad = parts[p] * buf.load(parts[p].type.layout).to(gl.float32)
+                    if HAS_BIAS:
+                        offs = off_n + p * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, grad.type.layout))
+                        gl.store(dbias_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
+                    tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(grad), axis=1), axis=0))
+                    q = quantize(grad, scale, out_desc.dtype, False)
+                    if GATED:
+                        q_buf = buf.reinterpret(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout).index(0)
+                        qt_buf = buf.reinterpret(out2_desc.dtype, [2] + out2_desc.block_type.shape,
+                                                 out2_desc.layout).index(1)
+                    else:
+                        tma.store_wait(2)  # (the part before this one's two stores may still read the other buffers)
+                        q_buf = q_bufs.index(q_base + p % 2)
+                        qt_buf = qt_bufs.index(q_base + p % 2)
+                    q_buf.store(q)
+                    qt_buf.store(gl.permute(q, (1, 0)))
+                    fence_async_shared()
+                    col = half * N + off_n + p * PART
+                    tma_store(out_desc, [off_m, col], q_buf)
+                    tma_store(out2_desc, [col, off_m], qt_buf)
             gl.atomic_max(amax_ptr, tile_amax)
         else:
             for half in gl.static_range(HALVES):
@@ -267,8 +288,8 @@ if AVAILABLE:
                 off_m = pid_m * BM
                 off_n = pid_n * TN
                 if EPILOGUE == "mul":  # fetch the saved tile(s) now; they land while the MMAs run
-                    if not FP8_OUT:  # (the last tile's stores leave from these buffers; FP8_OUT's from q_bufs)
-                        tma.store_wait(0)
+                    if GATED or not FP8_OUT:  # (the last tile's stores leave from these buffers, but FP8_OUT's
+                        tma.store_wait(0)     # from q_bufs where not gated)
                     mbarrier.expect(bar, (2 if GATED else 1) * (TN // PART) * aux_desc.block_type.nbytes)
                     for p in gl.static_range(TN // PART):
                         tma_load(aux_desc, [off_m, off_n + p * PART], bar, stage_bufs.index(base + p))
@@ -320,11 +341,16 @@ if AVAILABLE:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_shape, b_desc.layout)
         if FP8_OUT:  # the 16-bit staging tiles hold dh/dz (forward) or the saved parts (dgrad); the FP8 parts and
-            # their transposes get two small tiles of each per consumer
+            # their transposes get two small tiles of each per consumer (but in the gated dgrad, the saved parts')
             stage_bufs = gl.allocate_shared_memory(aux_desc.dtype, [STAGING] + aux_desc.block_type.shape,
                                                    aux_desc.layout)
-            q_bufs = gl.allocate_shared_memory(out_desc.dtype, [4] + out_desc.block_type.shape, out_desc.layout)
-            qt_bufs = gl.allocate_shared_memory(out2_desc.dtype, [4] + out2_desc.block_type.shape, out2_desc.layout)
+            if GATED and EPILOGUE == "mul":
+                q_bufs = stage_bufs
+                qt_bufs = stage_bufs
+            else:
+                q_bufs = gl.allocate_shared_memory(out_desc.dtype, [4] + out_desc.block_type.shape, out_desc.layout)
+                qt_bufs = gl.allocate_shared_memory(out2_desc.dtype, [4] + out2_desc.block_type.shape,
+                                                    out2_desc.layout)
         else:
             stage_bufs = gl.allocate_shared_memory(out_desc.dtype, [STAGING] + out_desc.block_type.shape,
                                                    out_desc.layout)
@@ -452,7 +478,8 @@ def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS
     bk = 2 * BLOCK_K if FP8_IN else BLOCK_K
     b_block = (tn, bk) if b_kmajor else (bk, tn)
     part = (BLOCK_M, PART)
-    stages, staging = SHARED_MEMORY_PLAN[EPILOGUE, GATED]
+    stages, staging = (FP8_SHARED_MEMORY_PLAN.get((EPILOGUE, GATED)) if FP8_OUT else None) or \
+        SHARED_MEMORY_PLAN[EPILOGUE, GATED]
     out2 = (PART, BLOCK_M) if FP8_OUT else part  # (FP8_OUT: out2 is outᵀ)
     consts = types.MappingProxyType(dict(  # read-only: every launch of the variant shares it
         B_KMAJOR=b_kmajor, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION, UP_ACTIVATION=UP_ACTIVATION, GATED=GATED,
@@ -464,13 +491,14 @@ _compiled = {}  # (dtype, constexprs, which descriptors are None, specialization
 
 
 def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None, scale=None, amax=None, inv=None,
-            **consts):
+            n=None, **consts):
     """out = epilogue(a @ B) with B = b.T (b_kmajor) or b. Gated, the second half of each pair (b2: the up
     rows of W, out2 / aux2: the up half of grad / saved) is its own tensor, a view cut at N. What a variant
     does not read or write is None (aux when the forward saves nothing, the halves when not gated): fewer
-    descriptors for the launcher to encode. inv: (a's 1/scale, b's 1/scale) where a and b are FP8."""
+    descriptors for the launcher to encode. inv: (a's 1/scale, b's 1/scale) where a and b are FP8. n: the GEMM's N
+    where out is wider (the gated FP8 dgrad's, both halves)."""
     M, K = a.shape
-    N = out.shape[1]
+    N = n or out.shape[1]
     blocks, tn, consts = _blocks_and_consts(b_kmajor, **consts, FP8_IN=inv is not None)
     descs = [None if t is None else _descriptor(t, block) for t, block in zip((a, b, b2, out, out2, aux, aux2), blocks)]
     a_inv, b_inv = inv or (None, None)
@@ -534,11 +562,13 @@ def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, 
 FP8_FAILURE = None  # the exception that turned the FP8 output off (the 16-bit kernels keep running), if one did
 
 
-def usable_fp8(a, matrices, vectors, gated, width):
+def usable_fp8(a, matrices, vectors, width, split=None, dgrad=False):
     """Whether linear_act_forward_fp8 / dgrad_fp8 can run on these operands (a and the first matrix FP8):
-    usable()'s conditions, not gated (its staging tiles would not fit beside the gated kernels'), an FP8 output
-    of width columns that TMA can write, and the FP8 variant not failed before."""
-    return (FP8_FAILURE is None and FAILURE is None and not gated and width % 16 == 0 and usable(a, matrices, vectors))
+    usable()'s conditions (split: a gated op's N), an FP8 output of width columns that TMA can write, and the FP8
+    variants not failed before. The gated dgrad writes both halves through one descriptor, so they must meet at a
+    tile's edge (N a multiple of BLOCK_N)."""
+    return (FP8_FAILURE is None and FAILURE is None and width % 16 == 0 and not (split and dgrad and split % BLOCK_N)
+            and usable(a, matrices, vectors, split))
 
 
 def _launch_fp8(what, *args, **kwargs):
@@ -557,27 +587,34 @@ def _launch_fp8(what, *args, **kwargs):
     return True
 
 
-def linear_act_forward_fp8(x8, w8, inv, bias, activation, h8, h8t, saved, scale, amax):
+def linear_act_forward_fp8(x8, w8, inv, bias, activation, h8, h8t, saved, scale, amax, up_activation="identity",
+                           gated=False):
     """The FP8 MLP's forward GEMM, FP8 in and out: h = act(x8 @ w8.T · inv[0] · inv[1] + bias) for x8 (M, K) and
-    w8 (N, K) in e4m3 (not gated), h8 = fp8(h · scale[0]) (M, N), h8t its transpose (N, Mp >= M, columns past M
-    zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz. Returns False if the kernel failed (see
-    _launch_fp8): the caller then runs the 16-bit output and casts."""
-    return _launch_fp8("h", x8, w8, h8, saved, bias, None, True, out2=h8t, scale=scale, amax=amax, inv=inv,
-                       EPILOGUE="act", ACTIVATION=activation, UP_ACTIVATION="identity", GATED=False,
-                       HAS_BIAS=bias is not None, SAVE=True, FP8_OUT=True)
+    w8 (N, K) in e4m3 (gated: w8 (2N, K) = [gate; up], h = act(gate) · up_act(up)), h8 = fp8(h · scale[0]) (M, N),
+    h8t its transpose (N, Mp >= M, columns past M zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz
+    (gated: (M, 2N) = [dh/dgate | dh/dup]). Returns False if the kernel failed (see _launch_fp8): the caller then
+    runs the 16-bit output and casts."""
+    N = h8.shape[1]
+    halves = dict(b2=w8[N:], aux2=saved[:, N:]) if gated else {}
+    return _launch_fp8("h", x8, w8[:N] if gated else w8, h8, saved[:, :N] if gated else saved, bias, None, True,
+                       out2=h8t, scale=scale, amax=amax, inv=inv, **halves, EPILOGUE="act", ACTIVATION=activation,
+                       UP_ACTIVATION=up_activation, GATED=gated, HAS_BIAS=bias is not None, SAVE=True, FP8_OUT=True)
 
 
-def dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, scale, amax):
+def dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, scale, amax, gated=False):
     """The FP8 MLP's dgrad, FP8 in and out: grad_z = (gy8 @ w2t8.T · inv[0] · inv[1]) * saved for gy8 (M, K) in
-    e5m2 and W2ᵀ = w2t8 (W, K) in e4m3 (K-major, as FP8 operands must be), not gated; gz8 = fp8(grad_z · scale[0])
-    (M, W) in e5m2, gz8t its transpose (W, Mp >= M, columns past M zeros), amax[0] = max(amax[0], max |grad_z|).
+    e5m2 and W2ᵀ = w2t8 (N, K) in e4m3 (K-major, as FP8 operands must be); gz8 = fp8(grad_z · scale[0]) (M, W) in
+    e5m2, gz8t its transpose (W, Mp >= M, columns past M zeros), amax[0] = max(amax[0], max |grad_z|). Gated: saved,
+    grad_z (M, W = 2N) = [gate | up] halves, each multiplied by the same grad_h (see usable_fp8 for N).
     Returns (True, the column sums of the unquantized grad_z in fp32 if bias_grad else None), or (False, None)
     as linear_act_forward_fp8."""
+    N = w2t8.shape[0]
     partial = (torch.empty((cdiv(gy8.shape[0], BLOCK_M), gz8.shape[1]), device=gz8.device, dtype=torch.float32)
                if bias_grad else None)
-    if not _launch_fp8("grad_z", gy8, w2t8, gz8, saved, None, partial, True, out2=gz8t, scale=scale, amax=amax,
-                       inv=inv, EPILOGUE="mul", ACTIVATION="identity", UP_ACTIVATION="identity", GATED=False,
-                       HAS_BIAS=bias_grad, SAVE=False, FP8_OUT=True):
+    halves = dict(aux2=saved[:, N:]) if gated else {}
+    if not _launch_fp8("grad_z", gy8, w2t8, gz8, saved[:, :N] if gated else saved, None, partial, True, out2=gz8t,
+                       scale=scale, amax=amax, inv=inv, n=N, **halves, EPILOGUE="mul", ACTIVATION="identity",
+                       UP_ACTIVATION="identity", GATED=gated, HAS_BIAS=bias_grad, SAVE=False, FP8_OUT=True):
         return False, None
     return True, (partial.sum(0) if bias_grad else None)
 

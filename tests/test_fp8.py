@@ -350,26 +350,30 @@ def test_weight_copies_are_made_once_per_optimizer_step():
     assert torch.equal(state.weights(fc.weight, proj.weight)[2], 2 * latest[2])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_fused_weight_cast_is_quantize_weight_bit_for_bit(dtype):
-    """quantize_weight_fused (eager: three kernels) against quantize_weight (PyTorch's ops, what torch.compile traces):
+def check_fused_weight_cast(device, dtype):
+    """quantize_weight_fused (eager: four kernels) against quantize_weight (PyTorch's ops, what torch.compile traces):
     the same bits for both copies and the same 1/scale, with special values (±inf: NaN; a NaN weight: NaN
     everywhere, scale 1; an all-zero weight: scale 1)."""
     torch.manual_seed(0)
-    cases = {"random": torch.randn(48, 80) * 3, "zeros": torch.zeros(32, 16)}
+    cases = {"random": torch.randn(48, 80) * 3, "zeros": torch.zeros(32, 16), "wide": torch.randn(256, 1024) * 0.02}
     cases["inf"] = cases["random"].clone()
     cases["inf"][3, 4], cases["inf"][5, 6] = float("inf"), -float("inf")
     cases["nan"] = cases["random"].clone()
     cases["nan"][7, 1] = float("nan")
     for name, w in cases.items():
-        w = w.to(dtype)
+        w = w.to(device, dtype)
         ours, want = fp8.quantize_weight_fused(w), fp8.quantize_weight(w)
         for o, e in zip(ours, want):
-            assert o.shape == e.shape and o.dtype == e.dtype, name
+            assert o.shape == e.shape and o.dtype == e.dtype and o.is_contiguous(), name
             if o.dtype == E4M3:
                 assert torch.equal(o.view(torch.uint8), e.view(torch.uint8)), name
             else:
                 assert torch.equal(o, e), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_fused_weight_cast_is_quantize_weight_bit_for_bit(dtype):
+    check_fused_weight_cast("cpu", dtype)
 
 
 def test_no_grad_runs_the_bf16_fused_path():
@@ -674,3 +678,11 @@ def test_fp8_gpt_under_torch_compile_on_the_gpu(mode):
     assert runs[1][-1] < runs[1][0] - 0.5, runs
     assert runs[1] == pytest.approx(runs[0], rel=2e-2), runs
 
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_weight_cast_is_quantize_weight_bit_for_bit_on_the_gpu(dtype):
+    """(fp32 masters, as under autocast: cast_transpose_kernel's transposed copy of fp32 input was wrong on the GPU)"""
+    check_fused_weight_cast("cuda", dtype)
