@@ -110,10 +110,11 @@ def measure_peaks(device="cuda", dtype=DTYPE):
     return tflops, gbps
 
 
-def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=DTYPE, compile=True, kernels=True):
+def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=DTYPE, compile=True, kernels=True,
+             bias=True):
     """One MLP shape: correctness vs float64, then fwd and fwd+bwd ms of eager, torch.compile (if compile)
     and fused, the floor at peak_tflops, and (if kernels) each kernel against the same-shape cuBLAS matmul."""
-    cfg = GPTConfig(n_embd=C, n_head=1, activation=activation, bias=True)
+    cfg = GPTConfig(n_embd=C, n_head=1, activation=activation, bias=bias)
     H, gated = cfg.mlp_hidden, cfg.gated
     mlp = MLP(cfg).to(device, dtype)
     w1, b1, w2 = mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight
@@ -226,6 +227,13 @@ def fp8_case(cfg, mlp, fused, x, dy, ref, device, dtype, rounds=3):
     return row
 
 
+def true_or_false(text):
+    """argparse type for True / False."""
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    return text.lower() == "true"
+
+
 def int_list(text):
     """argparse type for "768,1024": a clear usage error for anything else."""
     try:
@@ -253,6 +261,8 @@ def main(argv=None):
     ap.add_argument("--tokens", default=None, type=int_list,
                     help="comma-separated M per width (default 12288 for 768, else 16384/8192)")
     ap.add_argument("--activations", default="gelu,swiglu")
+    ap.add_argument("--bias", default=True, type=true_or_false,
+                    help="the MLP's linears with biases (True, GPT-2's) or without (False, issue 29's measurements)")
     ap.add_argument("--out", default="results/mlp.json")
     add_backward_thread_arg(ap)
     args = ap.parse_args(argv)
@@ -275,11 +285,11 @@ def report(args, widths, tokens):
     compile_times, rows = {}, []
     for C, M in zip(widths, tokens):
         for act in args.activations.split(","):
-            rows.append(mlp_case(C, M, act, compile_times, peak_tflops))
+            rows.append(mlp_case(C, M, act, compile_times, peak_tflops, bias=args.bias))
             print(f"done C={C} {act}", flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d"), "matmul_tflops": peak_tflops, "copy_gbps": bandwidth,
-           "backward_thread": args.backward_thread,
+           "backward_thread": args.backward_thread, "bias": args.bias,
            "first_call_seconds": compile_times,
            "tuned": [[name, str(key[:3]), cfg.kwargs, cfg.num_warps, cfg.num_stages, sec] for name, key, cfg, sec in TUNING_LOG]}
     with open(args.out, "w") as f:

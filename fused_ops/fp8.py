@@ -166,12 +166,14 @@ def update_scales_kernel(history_ptr, position_ptr, amax_ptr, scale_ptr, inv_sca
 
 @triton.jit
 def weight_scale_kernel(amax_ptr, scale_ptr, inv_ptr, FP8_MAX: tl.constexpr):
-    """A weight's current scale from its amax (1 where that is 0, inf or NaN), and its 1/scale: quantize_weight's."""
+    """A weight's current scale from its amax (1 where that is 0, inf or NaN) into scale_ptr[0], and its 1/scale:
+    quantize_weight's; scale_ptr[2] = 1 (the unit scale of the transposing pass after it)."""
     amax = tl.load(amax_ptr)
     usable = (amax > 0.0) & (amax < float("inf"))  # (NaN compares false)
     # correctly rounded divisions, as torch's (Triton's `/` on fp32 is approximate on a GPU)
     scale = tl.where(usable, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), tl.where(usable, amax, 1.0)), 1.0)
     tl.store(scale_ptr, scale)
+    tl.store(scale_ptr + 2, 1.0)
     tl.store(inv_ptr, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
 
 
@@ -360,19 +362,22 @@ def quantize_weight(w):
 
 
 def quantize_weight_fused(w):
-    """quantize_weight, bit for bit, in four kernels (the amax, the scale, one cast pass, one transposing copy of the
-    FP8 result) where it runs eagerly, instead of about ten elementwise ops over the weight: ~170 µs of GPU time for GPT-2
-    small's two MLP weights, which the FP8 MLP's CUDA graphs (fp8_layers_as_function) spend at every call. Inside
-    torch.compile, quantize_weight runs instead (inductor fuses it; a raw kernel launch would break the trace)."""
+    """quantize_weight, bit for bit, in four kernels (the amax, the scale, one cast pass, one transposing pass over
+    the FP8 result) where it runs eagerly, instead of about ten elementwise ops over the weight and a transposing
+    copy: ~170 µs of GPU time for GPT-2 small's two MLP weights, which the FP8 MLP's CUDA graphs
+    (fp8_layers_as_function) spend at every call. Inside torch.compile, quantize_weight runs instead (inductor fuses
+    it; a raw kernel launch would break the trace)."""
     w = w.detach()
     N, K = w.shape
     amax = torch.linalg.vector_norm(w, float("inf"), dtype=torch.float32).reshape(1)  # (NaN if any is NaN)
-    scale = torch.empty(2, device=w.device)  # the scale, then a scratch amax for the cast pass to fold into
+    scale = torch.empty(4, device=w.device)  # the scale, a scratch amax, 1, a scratch amax
     inv = torch.empty(1, device=w.device)
     launch(weight_scale_kernel, (1,), (amax, scale, inv), dict(FP8_MAX=FP8_MAX[E4M3]), num_warps=1)
     q = torch.empty((N, K), device=w.device, dtype=E4M3)
     _cast_transpose_into(w if w.stride(1) == 1 else w.contiguous(), q, q, scale, scale[1:], True, N, transposed=False)
-    return q, q.t().contiguous(), inv
+    qt = torch.empty((K, N), device=w.device, dtype=E4M3)
+    _cast_transpose_into(q, qt, qt, scale[2:], scale[3:], False, N)  # (exact: at scale 1)
+    return q, qt, inv
 
 
 def _set_current_scale(state, slot, t=None):
@@ -427,12 +432,8 @@ def _cast_transpose_into(x2, q, qt, scale, amax, row_major, Mp, transposed=True)
 def transpose_fp8(q, Mp, state):
     """qᵀ (N, Mp) of an FP8 q (M, N), zero columns past M: cast_transpose_kernel at scale 1 (exact), its amax
     folded into a scratch slot (q's own amax was taken when q was made)."""
-    M, N = q.shape
-    qt = torch.empty((N, Mp), device=q.device, dtype=q.dtype)
-    bm, bc, warps = CAST_TILE[False]
-    launch(cast_transpose_kernel, (cdiv(Mp, bm), cdiv(N, bc)),
-           (q, qt, qt, state.unit, state.unit[1:], M, N, Mp, q.stride(0)),
-           dict(ROW_MAJOR=False, EMULATE=INTERPRET, INT64=needs_int64(q, qt), BLOCK_M=bm, BLOCK_C=bc), warps)
+    qt = torch.empty((q.shape[1], Mp), device=q.device, dtype=q.dtype)
+    _cast_transpose_into(q, qt, qt, state.unit, state.unit[1:], False, Mp)
     return qt
 
 
