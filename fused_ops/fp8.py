@@ -334,11 +334,17 @@ class FP8State(torch.nn.Module):
         when the parameters may have changed: after any torch.optim optimizer's step (counted by a global hook:
         the fused AdamW updates parameters without moving their version counters), or an in-place update that
         moves them (load_state_dict, a foreach optimizer). So once per optimizer step, however many micro-steps
-        use them. (An update outside both, through .data, is not seen: call state.weights_changed().)"""
+        use them; remade in place (the same tensors), so that a CUDA graph reading them reads the new ones. (An update outside both, through .data, is not seen: call state.weights_changed().)"""
         key = (_optimizer_steps, w_fc.data_ptr(), w_fc._version, w_proj.data_ptr(), w_proj._version, w_fc.dtype)
         if self._weights is None or self._weights[0] != key:
             with torch.no_grad():
-                self._weights = (key, (*quantize_weight_fused(w_fc), *quantize_weight_fused(w_proj)))
+                copies = (*quantize_weight_fused(w_fc), *quantize_weight_fused(w_proj))
+                old = None if self._weights is None else self._weights[1]
+                if old is not None and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(old, copies)):
+                    for a, b in zip(old, copies):  # in place: graphs.py's replays read them where they lie
+                        a.copy_(b)
+                    copies = old
+            self._weights = (key, copies)
         return self._weights[1]
 
     def weights_changed(self):

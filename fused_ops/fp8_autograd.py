@@ -5,16 +5,16 @@ One computation, _forward and _backward below, reached two ways:
 - outside torch.compile, FP8MLPFunction, an autograd.Function over the two;
 - inside, two operators, fused_mlp::fp8_mlp_forward and fused_mlp::fp8_mlp_backward, each one opaque node in the
   compiled graph (ops.py says why operators), the backward attached with torch.library.register_autograd.
-The two ways differ in where the weights' FP8 copies are made:
-- uncompiled, FP8State.weights caches them, remade once per optimizer step (a host-side check);
-- compiled, or captured by graphs.py's CUDA graphs (fp8_layers_as_function), the copies are made at every forward
-  (quantize_weight; compiled, inductor fuses it) and handed to the forward operator: a host check would be skipped
-  by a CUDA graph replay, so none is left. The operators then keep no host state a replay needs: the scales live
-  in the FP8State's buffers (an operator finds the state by its number) and move on the GPU; the calibration flag
-  is read once, on the first call, which torch.compile's CUDA graphs run before they record (and graphs.py's
-  capture only after it). So the FP8 MLP compiles in every mode, reduce-overhead included (which it
-  needs to be fast: results/fp8_compile_h100.txt). The price: with gradient accumulation, one weight cast per
+The weights' FP8 copies (W1, W1ᵀ, W2, W2ᵀ in e4m3, their 1/scales) come to both as arguments:
+- uncompiled, from FP8State.weights: remade once per optimizer step (a host-side check), in place, so that
+  graphs.py's CUDA graphs (fp8_layers_as_function), which skip host work in a replay, read the current ones;
+- compiled, made in the graph at every forward (quantize_weight; inductor fuses it): a host check would be skipped
+  by torch.compile's CUDA graphs, so none is left. The price: with gradient accumulation, one weight cast per
   micro-step instead of per optimizer step (~12 MB of traffic a layer at GPT-2 small's size).
+The operators keep no other host state a replay needs: the scales live in the FP8State's buffers (an operator finds
+the state by its number) and move on the GPU; the calibration flag is read once, on the first call, which
+torch.compile's CUDA graphs run before they record (and graphs.py's capture only after it). So the FP8 MLP compiles
+in every mode, reduce-overhead included (which it needs to be fast: results/fp8_compile_h100.txt).
 """
 
 from typing import Optional
@@ -25,8 +25,7 @@ from torch import Tensor
 
 from .activations import kernel_activations
 from .fp8 import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose,
-                  check_fp8_device, fp8_dgrad, fp8_linear_act, quantize_weight, quantize_weight_fused,
-                  update_scales)
+                  check_fp8_device, fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
 from .graphs import graphs_usable
 from .ops import fused_op
 from . import pingpong
@@ -242,7 +241,7 @@ torch.library.register_autograd("fused_mlp::fp8_mlp_forward", _op_backward, setu
 def fp8_mlp(x, c_fc, c_proj, activation, state):
     """model.MLP's FP8 path: c_proj(act(c_fc(x))) with FP8 GEMMs while training (grad enabled); under no_grad
     (evaluation, sampling) the bf16 fused path. x: (..., C), 16-bit or under autocast."""
-    return _fp8_mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, activation, state, cached_copies=True)
+    return _fp8_mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, activation, state)
 
 
 def fp8_graphs_usable(x, state):
@@ -256,20 +255,22 @@ def _distributed():
 
 
 def fp8_layers_as_function(c_fc, c_proj, activation, norm, state):
-    """fp8_mlp(norm(x), ...) as (fn, tensors), as mlp.layers_as_function: what graphs.py captures. fn makes the
-    weights' FP8 copies itself at every call (as the compiled graph does), so that a replay reads the current weights
-    without the host-side check of FP8State.weights."""
-    tensors = (c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias,
+    """fp8_mlp(norm(x), ...) as (fn, tensors), as mlp.layers_as_function: what graphs.py captures. The weights' FP8
+    copies are among the tensors: FP8State.weights, asked here (outside any replay: a host-side check), remakes them
+    once per optimizer step in place, where the captured graphs read them."""
+    copies = state.weights(c_fc.weight, c_proj.weight)
+    tensors = (c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, *copies,
                *((norm.weight, norm.bias) if norm is not None else ()))
 
-    def fn(x, w_fc, b_fc, w_proj, b_proj, ln_weight=None, ln_bias=None):
+    def fn(x, w_fc, b_fc, w_proj, b_proj, *rest):
+        copies, (ln_weight, ln_bias) = rest[:6], (rest[6:] or (None, None))
         if norm is not None:
             x = torch.nn.functional.layer_norm(x, norm.normalized_shape, ln_weight, ln_bias, norm.eps)
-        return _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, cached_copies=False)
+        return _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, copies)
     return fn, tensors
 
 
-def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, cached_copies):
+def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, copies=None):
     from .mlp import _autocast, check_mlp_args, fused_mlp  # (mlp.py does not import this module)
     if not torch.is_grad_enabled() or x.numel() == 0:
         return fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation)
@@ -288,9 +289,7 @@ def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, cached_copies):
                          "of 16 (FP8 GEMMs take K and N in multiples of 16)")
     if compiling:  # the copies made here, every call (see the top of this file); inductor fuses quantize_weight
         copies = (*quantize_weight(masters[0]), *quantize_weight(masters[1]))
-    elif not cached_copies:  # (graphs.py's replays)
-        copies = (*quantize_weight_fused(masters[0]), *quantize_weight_fused(masters[1]))
-    else:
+    elif copies is None:  # (given: graphs.py's, see fp8_layers_as_function)
         copies = state.weights(*masters)
     if compiling:
         x2 = x.reshape(-1, C).contiguous()

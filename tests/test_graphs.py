@@ -294,13 +294,16 @@ def test_a_gpt_replays_every_step_with_nothing_held(monkeypatch):
 
 
 def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
-    """The FP8 MLP through the graphs (emulated on CPU, fp16 autocast): the calibrating step runs plain, every later
-    step replays, the weights' FP8 copies are made inside the replay (so they follow each optimizer step), and the
-    capture leaves the delayed scales as they were: the losses, the weights and the scales' history are those of the
-    run without graphs, bit for bit."""
+    """The FP8 MLP through the graphs (emulated on CPU, fp16 autocast), two micro-steps per optimizer step: the
+    calibrating step runs plain, every later forward but the first sight replays one capture per layer; the weights'
+    FP8 copies are remade once per optimizer step, in place (a real replay reads them where they lie: one capture
+    serves every step), and the capture leaves the delayed scales as they were: the losses, the weights and the
+    scales' history are those of the run without graphs, bit for bit."""
     import fused_ops
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True, dropout=0.0)
     monkeypatch.setattr(fused_ops.fp8_autograd, "graphs_usable", lambda x: True)  # (fp8_graphs_usable asks it)
+    cast, casts = fused_ops.fp8.quantize_weight_fused, []
+    monkeypatch.setattr(fused_ops.fp8, "quantize_weight_fused", lambda w: casts.append(1) or cast(w))
     runs = []
     for emulated in (False, True):
         torch.manual_seed(0)
@@ -309,21 +312,23 @@ def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
             block.mlp.graphs = MLPGraphs(emulate=True, keep=block.mlp.fp8) if emulated else None
         opt = torch.optim.SGD(gpt.parameters(), lr=0.3)
         losses = []
+        casts.clear()
         for step in range(5):
-            if emulated and step == 1:  # calibrated: from now on through the graphs, whose replays (unlike the
-                # emulation) would skip host-side work: the FP8 weight cache must not be used
-                monkeypatch.setattr(FP8State, "weights", lambda *a: pytest.fail("the FP8 weight cache was used"))
-            x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
-            with torch.autocast("cpu", dtype=torch.float16):
-                _, loss = gpt(x, x)
-            loss.backward()
+            for micro in range(2):
+                x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2 * step + micro))
+                with torch.autocast("cpu", dtype=torch.float16):
+                    _, loss = gpt(x, x)
+                loss.backward()
+                losses.append(loss.item())
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+        assert len(casts) == 5 * 2 * cfg.n_layer  # each step's first forward: W1 and W2 of each layer
         runs.append((losses, [p.detach().clone() for p in gpt.parameters()],
                      [b.mlp.fp8.history.clone() for b in gpt.transformer.h], gpt))
     (plain, plain_params, plain_history, _), (graphed, params, history, gpt) = runs
-    assert [next(iter(b.mlp.graphs.captured.values())).generation for b in gpt.transformer.h] == [3, 3]
+    # 10 forwards: the calibrating one and the first sight run plain, the third captures, all 8 from it replay
+    assert [len(b.mlp.graphs.captured) for b in gpt.transformer.h] == [1, 1]
+    assert [next(iter(b.mlp.graphs.captured.values())).generation for b in gpt.transformer.h] == [8, 8]
     assert graphed == plain
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     assert all(torch.equal(a, b) for a, b in zip(history, plain_history))
