@@ -1,31 +1,28 @@
-"""The FP8 fused MLP (opt-in, first stage): four of the MLP's six GEMMs in FP8, the quantizations fused where the GPU allowed.
+"""The FP8 fused MLP (opt-in): all six of the MLP's GEMMs in FP8, every quantization fused into the kernel that
+produces the operand where the GPU allows.
 
-Why FP8, and why not everywhere yet. On Hopper the FP8 tensor cores run at twice bf16's rate, but a
-GEMM in FP8 needs both operands quantized (scaled, rounded to 8 bits) and, for the weight-gradient
-GEMMs that reduce over the tokens, transposed: Hopper's FP8 MMA takes only K-major operands. Done as
-separate passes (torchao's float8), the casts, amax reductions and transposes cost more than FP8 saves at
-GPT-2's width (lab/fp8/README.md has the arithmetic). Here each quantized operand is written by the
-kernel that produces it, in the same epilogue, from values still in registers (in this file's Triton kernels hᵀ
-is a second pass; see below for Hopper):
+Why FP8, and why fused. On Hopper the FP8 tensor cores run at twice bf16's rate, but a GEMM in FP8 needs both
+operands quantized (scaled, rounded to 8 bits) and, for the weight-gradient GEMMs that reduce over the tokens,
+transposed: Hopper's FP8 MMA takes only K-major operands. Done as separate passes (torchao's float8), the casts,
+amax reductions and transposes cost more than FP8 saves at GPT-2's width (lab/fp8/README.md has the arithmetic).
+Here each quantized operand is written by the kernel that produces it, in the same epilogue, from values still in
+registers:
 
-    forward    x      -> xᵀ (e4m3)                     one cast + transpose pass (x arrives in bf16)
-               h, s   =  act(x @ W1ᵀ + b1), dh/dz       our bf16 kernel; its epilogue writes h in e4m3, s in bf16
-                                                        (hᵀ: a second pass over h8, transpose_fp8)
-               y      =  h @ W2ᵀ + b2                   FP8 GEMM (torch._scaled_mm, cuBLAS)
-    backward   gy     -> gyᵀ (e5m2)                    one cast + transpose pass
-               gz     =  (gy @ W2) * s                  our bf16 dgrad kernel; its epilogue writes gz and gzᵀ in e5m2
-               dW2    =  gyᵀ @ h,  dx = gz @ W1,  dW1 = gzᵀ @ x      FP8 GEMMs
+    forward    x      -> x8, x8ᵀ (e4m3)                one cast + transpose pass (x arrives in bf16)
+               h, s   =  act(x8 @ W1ᵀ + b1), dh/dz      FP8 GEMM whose epilogue writes h8, h8ᵀ (e4m3) and s in bf16
+               y      =  h8 @ W2ᵀ + b2                  FP8 GEMM (torch._scaled_mm, cuBLAS)
+    backward   gy     -> gy8, gy8ᵀ (e5m2)              one cast + transpose pass
+               gz     =  (gy8 @ W2) * s                 FP8 GEMM whose epilogue writes gz8 and gz8ᵀ (e5m2)
+               dW2    =  gy8ᵀ @ h8,  dx = gz8 @ W1,  dW1 = gz8ᵀ @ x8      FP8 GEMMs (cuBLAS)
 
-On Hopper those two bf16 GEMMs run in the ping-pong kernels (pingpong.py), whose epilogues do the same work
-(FP8_OUT: h8 and h8ᵀ, gz8 and gz8ᵀ, the amaxes), transposed copies included: 144.5 µs for the forward and 125.6
-for the dgrad at GPT-2 small's size, against 191 and 180 for the ping-pong kernels followed by a cast + transpose
-pass and 325 and 193 for this file's Triton kernels (results/fp8_stage1_h100.txt; fp8_autograd.PINGPONG_FP8).
-Gated activations on Hopper take the ping-pong kernels then one cast + transpose pass (cast_transpose,
-fp8_autograd.SEPARATE_CAST); the epilogues in this file run elsewhere (Ada).
-
-The two GEMMs that carry the epilogues (x @ W1ᵀ and gy @ W2) stay bf16 in this stage; the next stage
-gives them FP8 main loops. Activations and weights are e4m3 (more mantissa), gradients e5m2 (more range),
-TransformerEngine's "hybrid" format; every FP8 GEMM pairs one e4m3 operand with the other, as cuBLAS asks.
+The weights' copies, W1 and W1ᵀ, W2 and W2ᵀ in e4m3 (quantize_weight: each GEMM takes its weight K-major), are made
+once per optimizer step (FP8State.weights). On Hopper the two GEMMs with epilogues run in the ping-pong kernels
+(pingpong.py: FP8 main loops, FP8_IN, and FP8 epilogues, FP8_OUT, gated ones included): 114 and 94 µs at GPT-2
+small's size against 123 and 114 for their bf16 versions (results/fp8_stage3_h100.txt; fp8_autograd.PINGPONG_FP8).
+Elsewhere (Ada, the CPU interpreter, a ping-pong kernel that failed) this file's Triton kernels run them, their FP8
+tiles converted to fp16 (exact) for the dot, and transpose_fp8 writes h8ᵀ. Activations and weights are e4m3 (more
+mantissa), gradients e5m2 (more range), TransformerEngine's "hybrid" format; every FP8 GEMM pairs one e4m3 operand
+with the other, as cuBLAS asks.
 
 The scaling recipe: per-tensor delayed scaling (TransformerEngine's). A quantized tensor is
 fp8(v · scale) with one scale per tensor, scale = fp8_max / amax, and the GEMM multiplies its result by
@@ -38,10 +35,11 @@ capture it: fp8_autograd.py). Under torch.distributed the amaxes are first reduc
 over the processes, so that all quantize with the same scales. Values past the range saturate to
 ±fp8_max (the price of a delayed scale when a tensor grows suddenly); the history's max keeps that rare.
 Non-finite amaxes (an overflowed fp16 step, a NaN) are left out of the max.
-The first call of each MLP has no history: it calibrates, with current scaling through separate passes
-(each tensor's amax measured before it is quantized), and from then on the fused path runs.
-Weights use current scaling, since their FP8 copies (W2 and W1ᵀ) are made once per optimizer step
-(FP8State.weights) uncompiled, and once per forward by the compiled graph, never from an older amax.
+The first call of each MLP has no history: it calibrates with current scaling, x's and grad_y's scales from
+their own amax, and h's and grad_z's by running their kernel twice, the first time only to measure the amax it
+folds in (fp8_autograd._calibrated); from then on each kernel runs once.
+Weights use current scaling, since their FP8 copies are made once per optimizer step (FP8State.weights)
+uncompiled, and once per forward by the compiled graph, never from an older amax.
 Rows are padded to a multiple of 16 in the transposed copies (zeros), since the GEMMs reducing over the
 tokens need K % 16 == 0.
 

@@ -32,12 +32,13 @@ from . import pingpong
 
 # Which kernel runs the two GEMMs with epilogues (x8 @ W1ᵀ, gy8 @ W2), best first; each step is taken where it can run:
 # - PINGPONG_FP8: Hopper's ping-pong kernels quantize h and gz in their own epilogues (pingpong.linear_act_forward_fp8
-#   and dgrad_fp8: h8 and h8ᵀ, gz8 and gz8ᵀ out, the amax folded in), with no pass after them. Not gated.
+#   and dgrad_fp8: h8 and h8ᵀ, gz8 and gz8ᵀ out, the amax folded in), with no pass after them (the gated dgrad where
+#   its halves meet at a tile's edge: pingpong.usable_fp8).
 # - SEPARATE_CAST: the ping-pong kernels write h and gz in 16 bits, then one cast + transpose pass quantizes each (its
-#   amax folded in): the gated activations on Hopper, whose kernels have no room for the FP8 staging tiles.
+#   amax folded in): where the FP8 outputs cannot run, or failed (the 16-bit ones keep running).
 # - else this file's Triton kernels (fp8.py) write them quantized: Ada, the CPU interpreter, or a failed ping-pong.
 # The ping-pong kernels take the FP8 operands straight into FP8 MMAs; measured at each stage in
-# results/fp8_stage1_h100.txt.
+# results/fp8_stage1_h100.txt and results/fp8_stage3_h100.txt.
 PINGPONG_FP8 = {"forward": True, "dgrad": True}
 SEPARATE_CAST = {"forward": True, "dgrad": True}
 

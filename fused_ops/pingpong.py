@@ -13,20 +13,24 @@ The two consumers take turns at the main loop (the `turn` barriers): while one r
 other runs the previous tile's epilogue on the CUDA cores (CUTLASS calls this schedule ping-pong).
 The epilogue is a compile-time choice:
   "act": bias + activation, and the derivative dh/dz backward needs (SAVE): linear_act's forward;
-         with FP8_OUT, h leaves quantized instead (the FP8 MLP, fp8.py: fp8(h · scale) with the delayed scale
-         read from scale_ptr, each tile's amax folded into amax_ptr with an atomic max, as the Triton FP8
-         epilogues do), from fp32 registers, twice: row-major, and transposed (hᵀ, for the weight gradient's
-         FP8 GEMM, which takes only K-major operands) through a permuted copy in shared memory; no cast or
-         transpose pass is left;
-  "mul": times a saved tensor read through TMA, plus this tile's column sums for the bias gradient:
-         the dgrad; with FP8_OUT (not gated), grad_z leaves quantized and transposed the same way (e5m2).
+  "mul": times a saved tensor read through TMA, plus this tile's column sums for the bias gradient: the dgrad.
 Gated activations: in the forward each B tile holds 64 gate rows and 64 up rows of W for the same 64
 output columns, so one MMA gives both halves (split in registers); the dgrad multiplies one grad_h tile
 by both saved halves. Outputs leave through TMA stores from staging tiles, 32 columns at a time.
 
+For the FP8 MLP (fp8.py), two more compile-time switches:
+  FP8_IN: A and B are FP8 (e4m3, or e5m2 grad_y against e4m3 W2ᵀ: FP8 wgmma takes only K-major operands, and mixes
+         the two formats), in K slices of 128 (128 bytes a row, as the 16-bit slices: the same ring); the
+         accumulator is multiplied by the two operands' 1/scales before the epilogue (per-tensor scales).
+  FP8_OUT: h (or grad_z) leaves quantized, fp8(v · scale) with the delayed scale read from scale_ptr, each tile's
+         amax folded into amax_ptr with an atomic max (as the Triton FP8 epilogues do), from fp32 registers, twice:
+         row-major, and transposed (vᵀ, for the weight gradient's FP8 GEMM) through a permuted copy in shared
+         memory; no cast or transpose pass is left. Gated, the forward stages only dh/dgate and dh/dup in 16 bits;
+         the dgrad, with no shared memory to spare, writes each part's FP8 tiles into the saved tile it has just
+         read.
 Its main loop runs at cuBLAS speed and its epilogues cost far less than the Triton kernel's
-(docs/performance.md). Only for what TMA and wgmma take: 16-bit operands and outputs of one
-dtype, rows 16-byte aligned (gated: N a multiple of 8), a GPU of capability 9.x and Triton's Gluon (3.6 is
+(docs/performance.md). Only for what TMA and wgmma take: 16-bit operands and outputs of one dtype (or the FP8
+ones above), rows 16-byte aligned (gated: N a multiple of 8), a GPU of capability 9.x and Triton's Gluon (3.6 is
 what it was built with). The Triton kernels do everything else, and the gated dgrad where they are faster
 (takes_dgrad); FUSED_OPS_PINGPONG=0 turns this off. If this kernel fails to compile or launch (Gluon changes
 between Triton releases), they take over too, after one FallbackWarning.

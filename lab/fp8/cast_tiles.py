@@ -1,5 +1,6 @@
 """Which tile should the FP8 cast + transpose pass use? cast_transpose (fused_ops/fp8.py) over GPT-2 small's h
-(12288 x 3072, bf16 in, h8 and h8ᵀ out: the pass after the ping-pong forward) and x (12288 x 768, x8ᵀ only), for
+(12288 x 3072, bf16 in, h8 and h8ᵀ out: the pass after a 16-bit forward) and x (12288 x 768, x8 and x8ᵀ out since
+the third stage: the forward's FP8 main loop reads x8; the same pass casts grad_y), for
 a few (BLOCK_M, BLOCK_C, warps), rounds alternated: GPU time, the bandwidth it reaches, and whether its outputs
 and amax equal the current tile's bit for bit. GPU.
 
@@ -20,7 +21,7 @@ def main():
     torch.manual_seed(0)
     state = fp8.FP8State().cuda()
     shapes = {"h 12288x3072 (q + qT)": (torch.randn(12288, 3072, device="cuda", dtype=torch.bfloat16), fp8.H, True),
-              "x 12288x768 (qT)": (torch.randn(12288, 768, device="cuda", dtype=torch.bfloat16), fp8.X, False)}
+              "x 12288x768 (q + qT)": (torch.randn(12288, 768, device="cuda", dtype=torch.bfloat16), fp8.X, True)}
     tiles = dict(fp8.CAST_TILE)
     default = (64, 64, 4)  # the tile before this probe
     for name, (t, slot, row_major) in shapes.items():
