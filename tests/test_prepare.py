@@ -520,9 +520,10 @@ def test_cli_failure_mid_run_keeps_previous_dataset(tmp_path):
 
 @pytest.fixture(scope="module")
 def big_docs(tmp_path_factory):
-    """~10 MB of documents: seconds of GPT-2 work on any CPU, so a run is still going when a signal comes."""
+    """~50 MB of documents: seconds of GPT-2 work on any CPU, so a run is still going when a signal comes (10 MB
+    took under a second on a fast 2-core machine, and the Ctrl-C came after the run had finished)."""
     folder = tmp_path_factory.mktemp("big") / "docs"
-    write_docs(folder, 2000, words=1000)
+    write_docs(folder, 2000, words=5000)
     return str(folder)
 
 
