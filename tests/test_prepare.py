@@ -520,11 +520,17 @@ def test_cli_failure_mid_run_keeps_previous_dataset(tmp_path):
 
 @pytest.fixture(scope="module")
 def big_docs(tmp_path_factory):
-    """~50 MB of documents: seconds of GPT-2 work on any CPU, so a run is still going when a signal comes (10 MB
-    took under a second on a fast 2-core machine, and the Ctrl-C came after the run had finished)."""
+    """~10 MB of documents: seconds of GPT-2 work on any CPU, so a run is still going when a signal comes."""
     folder = tmp_path_factory.mktemp("big") / "docs"
-    write_docs(folder, 2000, words=5000)
+    write_docs(folder, 2000, words=1000)
     return str(folder)
+
+
+def default_sigint():
+    """In the child, before exec: SIGINT's default action, as a terminal gives it. A test run started in the
+    background of a non-interactive shell (nohup cmd &) inherits SIGINT ignored, and a Python started so never
+    raises KeyboardInterrupt: the Ctrl-C test would then watch a run that cannot be interrupted."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def start_mid_run(tmp_path, big_docs):
@@ -536,7 +542,7 @@ def start_mid_run(tmp_path, big_docs):
     with open(tmp_path / "stderr.txt", "w") as stderr:  # a file, not a pipe: a worker left behind keeps
         p = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"), f"--source={big_docs}",  # that open
                               "--out_dir=out", "--tokenizer=gpt2", "--num_proc=2"], cwd=tmp_path, stderr=stderr,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=default_sigint)
     deadline = time.time() + 60
     def tokens_written():  # a temp .bin has grown: workers are tokenizing
         sizes = [os.stat(e).st_size for e in os.scandir(tmp_path / "out") if ".tmp" in e.name]
