@@ -71,6 +71,18 @@ def test_bench_mlp_widths(tmp_path):
     assert len(saved["rows"]) == 8 and saved["env"]["matmul_tflops"] > 0
 
 
+def test_bench_mlp_without_biases():
+    """bench_mlp --bias=False (issue 29's MLP): the case runs and checks out bias-free, and the flag takes only
+    True or False."""
+    import argparse
+    import bench_mlp
+    row = bench_mlp.mlp_case(32, 32, "gelu", {}, 1.0, DEVICE, torch.float32, compile=False, kernels=False, bias=False)
+    assert row["correct"] and row["fwd_fused_vs_eager"] < 1e-5
+    assert [bench_mlp.true_or_false(v) for v in ("False", "true")] == [False, True]
+    with pytest.raises(argparse.ArgumentTypeError, match="expected True or False, got 'maybe'"):
+        bench_mlp.true_or_false("maybe")
+
+
 def test_compile_settings_and_labels():
     """--compile's entries: booleans, or a torch.compile mode named in the variant's label; the MLP-alone
     table takes only the booleans and says so."""
