@@ -328,20 +328,19 @@ class FP8State(torch.nn.Module):
 
     def weights(self, w_fc, w_proj):
         """quantize_weight of W1 then of W2: (W1 (H or 2H, C), W1ᵀ, its 1/scale, W2 (C, H), W2ᵀ, its 1/scale), made
-        again only
-        when the parameters may have changed: after any torch.optim optimizer's step (counted by a global hook:
-        the fused AdamW updates parameters without moving their version counters), or an in-place update that
-        moves them (load_state_dict, a foreach optimizer). So once per optimizer step, however many micro-steps
-        use them; remade in place (the same tensors), so that a CUDA graph reading them reads the new ones. (An update outside both, through .data, is not seen: call state.weights_changed().)"""
+        again only when the parameters may have changed: after any torch.optim optimizer's step (counted by a global
+        hook: the fused AdamW updates parameters without moving their version counters), or an in-place update that
+        moves them (load_state_dict, a foreach optimizer). So once per optimizer step, however many micro-steps use
+        them; remade in place (into the same tensors), so that a CUDA graph reading them reads the new ones. (An
+        update outside both, through .data, is not seen: call state.weights_changed().)"""
         key = (_optimizer_steps, w_fc.data_ptr(), w_fc._version, w_proj.data_ptr(), w_proj._version, w_fc.dtype)
         if self._weights is None or self._weights[0] != key:
+            old = None if self._weights is None else self._weights[1]
+            if old is not None and (old[0].shape, old[3].shape) != (w_fc.shape, w_proj.shape):
+                old = None  # (a model whose weights changed shape: new tensors)
             with torch.no_grad():
-                copies = (*quantize_weight_fused(w_fc), *quantize_weight_fused(w_proj))
-                old = None if self._weights is None else self._weights[1]
-                if old is not None and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(old, copies)):
-                    for a, b in zip(old, copies):  # in place: graphs.py's replays read them where they lie
-                        a.copy_(b)
-                    copies = old
+                copies = (*quantize_weight_fused(w_fc, None if old is None else old[:3]),
+                          *quantize_weight_fused(w_proj, None if old is None else old[3:]))
             self._weights = (key, copies)
         return self._weights[1]
 
@@ -365,21 +364,20 @@ def quantize_weight(w):
     return q, q.t().contiguous(), scale.reciprocal().reshape(1)
 
 
-def quantize_weight_fused(w):
+def quantize_weight_fused(w, out=None):
     """quantize_weight, bit for bit, in four kernels (the amax, the scale, one cast pass, one transposing pass over
-    the FP8 result) where it runs eagerly, instead of about ten elementwise ops over the weight and a transposing
-    copy: ~170 µs of GPU time for GPT-2 small's two MLP weights, which the FP8 MLP's CUDA graphs
-    (fp8_layers_as_function) spend at every call. Inside torch.compile, quantize_weight runs instead (inductor fuses
-    it; a raw kernel launch would break the trace)."""
+    the FP8 result) where it runs eagerly (FP8State.weights), instead of about ten elementwise ops over the weight and
+    a transposing copy (~170 µs of GPU time for GPT-2 small's two MLP weights against ~34). out: (q, qᵀ, 1/scale) to
+    write into. Inside torch.compile, quantize_weight runs instead (inductor fuses it; a raw kernel launch would
+    break the trace)."""
     w = w.detach()
     N, K = w.shape
+    q, qt, inv = out or (torch.empty((N, K), device=w.device, dtype=E4M3),
+                         torch.empty((K, N), device=w.device, dtype=E4M3), torch.empty(1, device=w.device))
     amax = torch.linalg.vector_norm(w, float("inf"), dtype=torch.float32).reshape(1)  # (NaN if any is NaN)
     scale = torch.empty(4, device=w.device)  # the scale, a scratch amax, 1, a scratch amax
-    inv = torch.empty(1, device=w.device)
     launch(weight_scale_kernel, (1,), (amax, scale, inv), dict(FP8_MAX=FP8_MAX[E4M3]), num_warps=1)
-    q = torch.empty((N, K), device=w.device, dtype=E4M3)
     _cast_transpose_into(w if w.stride(1) == 1 else w.contiguous(), q, q, scale, scale[1:], True, N, transposed=False)
-    qt = torch.empty((K, N), device=w.device, dtype=E4M3)
     _cast_transpose_into(q, qt, qt, scale[2:], scale[3:], False, N)  # (exact: at scale 1)
     return q, qt, inv
 

@@ -84,13 +84,13 @@ def _second_dgrad(gy8, w2t8, inv, saved, activation, state, bias_grad):
     return fp8_dgrad(gy8, w2t8.t(), inv, saved, activation, state, bias_grad)
 
 
-def _calibrated(run, state, slot):
-    """run()'s result. On an MLP's first call (no history yet) run() goes twice: the first time only to measure the
+def _calibrated(run, state, slot, *args):
+    """run(*args)'s result. On an MLP's first call (no history yet) run goes twice: the first time only to measure the
     amax of the tensor it quantizes, which then sets the slot's scale (current scaling, once)."""
     if not state.calibrated:
-        run()
+        run(*args)
         _set_current_scale(state, slot)
-    return run()
+    return run(*args)
 
 
 def _quantized_rows(t, state, slot):
@@ -120,8 +120,8 @@ def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_inv, 
     """(y (M, C), xᵀ in e4m3, hᵀ in e4m3, dh/dz, the 1/scales x and h were quantized with) for rows x (M, C)."""
     x2, x8, xt8 = _quantized_rows(x, state, X)
     inv_x = state.inv_scale[X, :1]
-    h8, ht8, saved = _calibrated(lambda: _first_linear(x8, w_fc8, (inv_x, w_fc_inv), b_fc, activation, state, x.dtype),
-                                 state, H)
+    h8, ht8, saved = _calibrated(_first_linear, state, H, x8, w_fc8, (inv_x, w_fc_inv), b_fc, activation, state,
+                                 x.dtype)
     inv = state.inv_scale.clone()  # the scales x and h were quantized with, whatever updates come before backward
     y = torch._scaled_mm(h8, w_proj8.t(), scale_a=inv[H, :1], scale_b=w_proj_inv, bias=b_proj,
                          out_dtype=x.dtype, use_fast_accum=True)
@@ -135,8 +135,8 @@ def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_p
     it is asked for (a frozen weight's GEMM is skipped); then the scales move on (update_scales)."""
     gy, gy8, gyt8 = _quantized_rows(grad_y, state, GRAD_Y)
     inv_gy = state.inv_scale[GRAD_Y, :1]
-    gz8, gzt8, grad_b_fc = _calibrated(
-        lambda: _second_dgrad(gy8, w_proj_t8, (inv_gy, w_proj_inv), saved, activation, state, bias_grad), state, GRAD_Z)
+    gz8, gzt8, grad_b_fc = _calibrated(_second_dgrad, state, GRAD_Z, gy8, w_proj_t8, (inv_gy, w_proj_inv), saved,
+                                       activation, state, bias_grad)
     del saved
     inv_gz = state.inv_scale[GRAD_Z, :1]
     grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_proj.dtype) \

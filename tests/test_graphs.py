@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fused_ops.graphs as graphs
-from fused_ops import FP8State, MLPGraphs, fused_mlp_layers, layers_as_function
+from fused_ops import MLPGraphs, fused_mlp_layers, layers_as_function
 from model import GPT, GPTConfig
 
 
@@ -303,7 +303,7 @@ def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True, dropout=0.0)
     monkeypatch.setattr(fused_ops.fp8_autograd, "graphs_usable", lambda x: True)  # (fp8_graphs_usable asks it)
     cast, casts = fused_ops.fp8.quantize_weight_fused, []
-    monkeypatch.setattr(fused_ops.fp8, "quantize_weight_fused", lambda w: casts.append(1) or cast(w))
+    monkeypatch.setattr(fused_ops.fp8, "quantize_weight_fused", lambda w, out=None: casts.append(1) or cast(w, out))
     runs = []
     for emulated in (False, True):
         torch.manual_seed(0)

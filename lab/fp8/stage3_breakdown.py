@@ -15,7 +15,6 @@ from triton.testing import do_bench
 import bench_mlp
 from fused_ops import fp8, pingpong
 from fused_ops.dgrad import linear_act_dgrad
-from fused_ops.fp8 import E4M3, E5M2
 from fused_ops.fp8_autograd import _first_linear, _second_dgrad
 from fused_ops.linear_act import linear_act_forward
 from model import MLP, GPTConfig
