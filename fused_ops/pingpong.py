@@ -184,7 +184,7 @@ if AVAILABLE:
                 h = gate * up
             else:
                 h = gate
-            if FP8_OUT:  # (rows past M hold act(bias): kept out of the amax; TMA clips their stores)
+            if FP8_OUT:  # (rows past M hold act(bias): zeroed, for the amax and hᵀ's padding; TMA clips h's stores)
                 h = gl.where(rows_ok, h, 0.0)
                 tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(h), axis=1), axis=0))
                 q = quantize(h, scale, out_desc.dtype, False)
@@ -226,7 +226,7 @@ if AVAILABLE:
         parts = _column_quarters(acc)
         if FP8_OUT:
             scale = gl.load(scale_ptr)
-            tile_amax = 0.0
+            row_amax = gl.zeros([parts[0].shape[0]], gl.float32, gl.SliceLayout(1, parts[0].type.layout))
             for half in gl.static_range(HALVES):
                 for p in gl.static_range(4):
                     buf = stage_bufs.index(base + 4 * half + p)
@@ -234,7 +234,9 @@ if AVAILABLE:
                     if HAS_BIAS:
                         offs = off_n + p * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, grad.type.layout))
                         gl.store(dbias_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
-                    tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(grad), axis=1), axis=0))
+                    # the amax over each row's 4 lanes here, across the warps once a tile (below): a reduction across
+                    # warps goes through shared memory and barriers that stall all 8 warps (4 us a dgrad, lab/fp8)
+                    row_amax = gl.maximum(row_amax, gl.max(gl.abs(grad), axis=1))
                     q = quantize(grad, scale, out_desc.dtype, False)
                     if GATED:
                         q_buf = buf.reinterpret(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout).index(0)
@@ -250,7 +252,7 @@ if AVAILABLE:
                     col = half * N + off_n + p * PART
                     tma_store(out_desc, [off_m, col], q_buf)
                     tma_store(out2_desc, [col, off_m], qt_buf)
-            gl.atomic_max(amax_ptr, tile_amax)
+            gl.atomic_max(amax_ptr, gl.max(row_amax, axis=0))
         else:
             for half in gl.static_range(HALVES):
                 for p in gl.static_range(4):
