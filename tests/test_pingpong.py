@@ -491,13 +491,18 @@ def test_gated_fp8_output(op, bias, programs, monkeypatch):
     (dgrad, e5m2, stored from the spent saved tiles) within one FP8 step of torch's quantization of what the
     16-bit-output variant writes from the same accumulator (itself near the float64 result on the same FP8 operands)
     and equal almost everywhere; the transposed copy bit for bit, zero past M; the amax; what both variants write
-    (dh/dgate and dh/dup, the bias sums) bit for bit; at odd M."""
+    (dh/dgate and dh/dup, the bias sums) bit for bit; at odd M. Without bias, a NaN in one row of the input: NaN in
+    that row of both halves (and of dh/dgate, dh/dup), nowhere else, and kept out of the amax."""
     if programs:
         monkeypatch.setattr(pingpong, "_num_sms", lambda device: programs)
     E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
     M, K, N, Mp = 1000 + 7, 768, 512, 1008
     g = torch.Generator("cuda").manual_seed(2)
     a = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    nan_row = None if bias else 5  # (a NaN row would make every bias-gradient column sum NaN)
+    if nan_row is not None:
+        a[nan_row, 3] = float("nan")
+    rows = torch.arange(M, device="cuda") != (-1 if nan_row is None else nan_row)
     scale, amax = torch.tensor([64.0 if op == "forward" else 4096.0], device="cuda"), torch.zeros(1, device="cuda")
     if op == "forward":
         w = (torch.randn(2 * N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
@@ -510,7 +515,9 @@ def test_gated_fp8_output(op, bias, programs, monkeypatch):
         want = torch.nn.functional.silu(z[:, :N]) * z[:, N:]
         h16, saved16 = torch.empty(M, N, device="cuda", dtype=torch.bfloat16), torch.empty_like(saved)
         assert pingpong.linear_act_forward(a8, w8, b, "silu", "identity", True, True, h16, saved16, inv=inv)
-        assert torch.equal(saved, saved16)
+        assert torch.equal(saved.view(torch.int16), saved16.view(torch.int16))  # (bit for bit, NaNs too)
+        if nan_row is not None:
+            assert saved[nan_row].isnan().all() and not saved[rows].isnan().any()
         out16, fp8_max, step, subnormal = h16, 448.0, 8, 2 ** -9
     else:
         w2 = (torch.randn(K, N, device="cuda", generator=g) / K ** 0.5).bfloat16()
@@ -527,8 +534,12 @@ def test_gated_fp8_output(op, bias, programs, monkeypatch):
         if bias:
             torch.testing.assert_close(db, db16, rtol=0, atol=0)
         fp8_max, step, subnormal = 57344.0, 4, 2 ** -16
-    assert torch.equal(qt[:, :M].t().view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(qt[:, :M].t().view(torch.uint8), q.view(torch.uint8))  # (bit for bit, NaNs too)
     assert (qt[:, M:].float() == 0).all()
+    if nan_row is not None:
+        assert q[nan_row].float().isnan().all()
+    assert not q.float()[rows].isnan().any()
+    out16, want, q = out16[rows], want[rows], q.view(torch.uint8)[rows].view(q.dtype)
     assert_near(out16, want)
     ref = (out16.double() * scale.item()).clamp(-fp8_max, fp8_max).to(q.dtype).double()
     diff = (q.double() - ref).abs()
