@@ -9,6 +9,7 @@ wrong values (that is the point); only its time is read.
 """
 
 import argparse
+import atexit
 import importlib
 import pathlib
 
@@ -70,12 +71,14 @@ VARIANTS = {"fwd_no_qt": FWD_NO_QT, "fwd_no_save": FWD_NO_SAVE, "fwd_no_math": F
 
 
 def variant(name):
+    """fused_ops._probe_<name>: pingpong.py with VARIANTS[name]'s edits (the file is removed when the probe exits)."""
     text = SOURCE.read_text()
     for old, new in VARIANTS[name]:
         assert text.count(old) == 1, (name, old)
         text = text.replace(old, new)
     path = SOURCE.with_name(f"_probe_{name}.py")
     path.write_text(text)
+    atexit.register(path.unlink, missing_ok=True)
     return importlib.import_module(f"fused_ops._probe_{name}")
 
 
