@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 import bench_mlp
 import errors
+import runtime
 from model import GPT, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")
@@ -83,7 +84,18 @@ def parse_args(argv=None):
     if args.config and not os.path.isfile(args.config):
         raise errors.UsageError(f"config file not found: {args.config} (e.g. configs/gpt2_124m.py)")
     errors.check_device(args.device)
+    if args.dtype not in (None, "bfloat16", "float16", "float32"):
+        raise errors.UsageError(f"--dtype={args.dtype}: expected bfloat16, float16 or float32")
+    dtype = str(pick_dtype(args)).removeprefix("torch.")
+    for mlp in args.mlps.split(","):  # every variant checked before the first one is timed
+        if mlp not in MLPS:
+            raise errors.UsageError(f"--mlps={args.mlps}: {mlp!r} is not one of {', '.join(MLPS)}")
+        runtime.check_interpreter_dtype("fused" if mlp == "fp8" else mlp, args.device, dtype, f"--mlps={mlp}")
+    runtime.check_fp8("fp8" in args.mlps.split(","), args.device, dtype, "--mlps=fp8", "leave fp8 out of --mlps")
     return args
+
+
+MLPS = ("eager", "fused", "auto", "fp8", "torchao")
 
 
 def pick_dtype(args):

@@ -172,7 +172,10 @@ def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=
             # the same fwd + bwd replayed as one CUDA graph: GPU time only (CUDA only)
             row[f"{name}_graph_fwdbwd_ms"] = bench(graphed_fwd_bwd(m, x, dy)[0], device) if x.is_cuda else None
     if x.is_cuda and fp8_supported(x.device):
-        row.update(fp8_case(cfg, mlp, fused, x, dy, ref, device, dtype))
+        if cfg.n_embd % 16 or cfg.mlp_hidden % 16:  # (GPTConfig's rule for fp8: the FP8 GEMMs' 16-byte rows)
+            print(f"  {activation} C={C}: no FP8 columns (FP8 needs n_embd and the hidden size multiples of 16)")
+        else:
+            row.update(fp8_case(cfg, mlp, fused, x, dy, ref, device, dtype))
     if not kernels:
         return row
 

@@ -49,13 +49,33 @@ def check_mlp(mlp, device, source="--mlp=fused"):
                                 f"CPU, very slow), and the device is {device}: use --mlp=auto or --mlp=eager")
 
 
-def check_fp8(fp8, device):
-    """fp8=True needs FP8 tensor cores (fused_ops/fp8.py): one line naming the requirement where they are missing."""
-    if fp8:
-        try:
-            model.import_fused_ops(required=True).check_fp8_device(torch.device(device))
-        except RuntimeError as e:
-            raise errors.UsageError(f"--{e}") from None
+def check_fp8(fp8, device, dtype=None, setting="--fp8=True", instead="use --fp8=False"):
+    """fp8=True needs FP8 tensor cores (fused_ops/fp8.py) and 16-bit activations (dtype: the resolved --dtype, as
+    precision() names it): one line naming the requirement where either is missing."""
+    if not fp8:
+        return
+    try:
+        model.import_fused_ops(required=True).check_fp8_device(torch.device(device), setting, instead)
+    except ImportError as e:
+        raise errors.UsageError(f"{setting} needs Triton, which cannot be imported here ({e.__cause__ or e}): "
+                                f"{instead}") from None
+    except RuntimeError as e:
+        raise errors.UsageError(str(e)) from None
+    if dtype == "float32":
+        raise errors.UsageError(f"{setting} needs 16-bit activations (its GEMMs take bf16 or fp16 inputs under "
+                                "autocast), and the dtype is float32: use --dtype=bfloat16 or --dtype=float16")
+
+
+def check_interpreter_dtype(mlp, device, dtype, setting=None):
+    """Triton's interpreter (the fused MLP on a CPU) computes bf16 matmuls wrong (fp16 and fp32 right): where the
+    kernels would run there in bf16 (mlp "fused", or "auto", which takes them wherever they can run), one line
+    naming --dtype instead of wrong numbers (setting: how the caller's user chose mlp, default --mlp=<mlp>)."""
+    if mlp in ("fused", "auto") and device == "cpu" and dtype == "bfloat16":
+        fused_ops = model.import_fused_ops(required=False)
+        if fused_ops is not None and fused_ops.kernels_can_run(torch.empty(0)):
+            raise errors.UsageError(f"{setting or f'--mlp={mlp}'} with --dtype=bfloat16 on the CPU runs the kernels "
+                                    "through Triton's interpreter, whose bf16 matmuls are wrong: use --dtype=float16 "
+                                    "or float32")
 
 
 def to_host(t):

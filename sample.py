@@ -57,7 +57,8 @@ def main(argv=None):
     device = runtime.resolve_device(args.device)  # one line naming --device if this machine has no such device
     runtime.check_mlp(args.mlp, device)  # one line naming --mlp if the kernels cannot run here
     device_type = device.split(":")[0]
-    _, autocast = runtime.precision(args.dtype, device_type, auto_fp16=False)
+    dtype, autocast = runtime.precision(args.dtype, device_type, auto_fp16=False)
+    runtime.check_interpreter_dtype(args.mlp, device, dtype)
 
     if args.init_from == "resume":
         model, ckpt = checkpoint.load_model(args.out_dir, device, args.mlp)

@@ -126,7 +126,7 @@ def out_of_memory(cfg, device, e):
     path = checkpoint.path(cfg["out_dir"])
     kept = f"; {path} is kept as it was" if os.path.isfile(path) else ""
     compile_tip = ", compile=True (fuses away some activations)" if not cfg["compile"] else ""
-    if not cfg["compile"] and cfg.get("mlp") != "eager" and not cfg.get("fp8"):  # fused_ops/graphs.py's buffers
+    if not cfg["compile"] and cfg.get("mlp") != "eager":  # fused_ops/graphs.py's buffers (FP8's graphs too)
         compile_tip += ", FUSED_OPS_GRAPHS=0 in the environment (the fused MLP's CUDA graphs keep memory)"
     return errors.RunError(
         f"out of memory on {device} ({str(e).splitlines()[0][:120]}): lower batch_size (now {cfg['batch_size']}; "

@@ -104,8 +104,10 @@ def main(argv=None):
         raise ConfigError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be divisible by "
                           f"the number of processes ({world}): each does an equal share of the micro-steps")
     device = runtime.resolve_device(cfg["device"], int(os.environ["LOCAL_RANK"]) if ddp else None)
-    runtime.check_mlp(cfg["mlp"], device)  # before any data is prepared
-    runtime.check_fp8(cfg["fp8"], device)
+    dtype = runtime.precision(cfg["dtype"], device.split(":")[0])[0]  # (what "auto" is here)
+    runtime.check_fp8(cfg["fp8"], device, dtype)  # before any data is prepared; before check_mlp, which it implies
+    runtime.check_mlp(cfg["mlp"], device)
+    runtime.check_interpreter_dtype(cfg["mlp"], device, dtype)
     check_wandb(cfg)
     if ddp:
         if device.startswith("cuda"):

@@ -80,8 +80,9 @@ def fp8_supported(device):
     return INTERPRET and device.type == "cpu"
 
 
-def check_fp8_device(device):
-    """One line naming the requirement, where FP8 cannot run."""
+def check_fp8_device(device, setting="fp8=True", instead="use fp8=False"):
+    """One line naming the requirement, where FP8 cannot run (setting: how the caller's user asked for FP8, instead:
+    what to do about it)."""
     if fp8_supported(device):
         return
     if device.type == "cuda":
@@ -90,8 +91,8 @@ def check_fp8_device(device):
         where = f"{torch.cuda.get_device_name(index)} is sm_{major}{minor}"
     else:
         where = f"the device is {device.type}"
-    raise RuntimeError(f"fp8=True needs FP8 tensor cores (an NVIDIA Ada or Hopper GPU, compute capability 8.9+); "
-                       f"{where}: use fp8=False")
+    raise RuntimeError(f"{setting} needs FP8 tensor cores (an NVIDIA Ada or Hopper GPU, compute capability 8.9+); "
+                       f"{where}: {instead}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -123,6 +123,70 @@ def test_fused_mlp_without_triton_or_from_a_checkpoint(trained, tmp_path, monkey
     assert sample.main([f"--out_dir={out}", "--device=cpu", "--mlp=eager", "--num_samples=1", "--max_new_tokens=2"])
 
 
+def test_fp8_names_what_it_needs_before_any_work(dataset, tmp_path, monkeypatch, capsys):
+    """--fp8=True where it cannot run: one line naming the flag and the requirement, before any data, model or
+    checkpoint: FP8 tensor cores (named before --mlp's own check, which they imply), then 16-bit activations."""
+    import fused_ops.fp8
+    import train
+
+    out = tmp_path / "out"
+    args = [*TINY, f"--dataset={dataset}", f"--out_dir={out}", "--mlp=fused", "--fp8=True"]
+    monkeypatch.setattr(fused_ops.fp8, "fp8_supported", lambda device: False)  # a CPU or an A100
+    assert errors.run_main("train.py", train.main, args + ["--dtype=float16"]) == 2
+    assert capsys.readouterr().err.strip() == ("train.py: error: --fp8=True needs FP8 tensor cores (an NVIDIA Ada or "
+                                               "Hopper GPU, compute capability 8.9+); the device is cpu: use --fp8=False")
+    monkeypatch.setattr(fused_ops.fp8, "fp8_supported", lambda device: True)  # as the interpreter: the dtype's turn
+    assert errors.run_main("train.py", train.main, args + ["--dtype=float32"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "train.py: error: --fp8=True needs 16-bit activations (its GEMMs take bf16 or fp16 inputs under autocast), "
+        "and the dtype is float32: use --dtype=bfloat16 or --dtype=float16")
+    assert not out.exists()
+
+
+def test_bf16_through_the_interpreter_is_refused(dataset, tmp_path, monkeypatch, capsys):
+    """The kernels on a CPU run through Triton's interpreter, whose bf16 dot is wrong: --dtype=bfloat16 with mlp
+    "fused" or "auto" (which takes the kernels wherever they run) is one line naming --dtype, not wrong losses."""
+    import fused_ops
+    import sample
+    import train
+
+    monkeypatch.setattr(fused_ops, "kernels_can_run", lambda x: True)  # as under TRITON_INTERPRET=1
+    for mlp in ("fused", "auto"):
+        args = [*TINY, f"--dataset={dataset}", f"--out_dir={tmp_path / 'out'}", f"--mlp={mlp}", "--dtype=bfloat16"]
+        assert errors.run_main("train.py", train.main, args) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"train.py: error: --mlp={mlp} with --dtype=bfloat16 on the CPU runs the kernels through Triton's "
+            "interpreter, whose bf16 matmuls are wrong: use --dtype=float16 or float32")
+        with pytest.raises(errors.UsageError, match=rf"^--mlp={mlp} with --dtype=bfloat16 on the CPU"):
+            sample.main([f"--out_dir={tmp_path}", "--device=cpu", f"--mlp={mlp}", "--dtype=bfloat16"])
+    runtime.check_interpreter_dtype("eager", "cpu", "bfloat16")  # PyTorch's own bf16
+    runtime.check_interpreter_dtype("fused", "cpu", "float16")
+    monkeypatch.setattr(fused_ops, "kernels_can_run", lambda x: x.is_cuda)  # no interpreter: "auto" runs PyTorch
+    runtime.check_interpreter_dtype("auto", "cpu", "bfloat16")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_checks_every_variant_before_timing(monkeypatch):
+    """bench.py's --mlps and --dtype: one line naming the argument before the first variant is built."""
+    import bench
+    import fused_ops.fp8
+
+    monkeypatch.setattr(fused_ops.fp8, "fp8_supported", lambda device: True)
+    base = ["configs/shakespeare_char_cpu.py", "--device=cpu"]
+    for extra, message in [(["--mlps=eager,bogus"], "--mlps=eager,bogus: 'bogus' is not one of eager, fused, auto, "
+                                                    "fp8, torchao"),
+                           (["--dtype=half"], "--dtype=half: expected bfloat16, float16 or float32"),
+                           (["--mlps=eager,fp8"], "--mlps=fp8 needs 16-bit activations"),
+                           (["--mlps=fp8", "--dtype=bfloat16"], "--mlps=fp8 with --dtype=bfloat16 on the CPU")]:
+        if extra[-1] == "--dtype=bfloat16":
+            monkeypatch.setattr(fused_ops, "kernels_can_run", lambda x: True)
+        with pytest.raises(errors.UsageError, match=f"^{re.escape(message)}"):
+            bench.parse_args(base + extra)
+    monkeypatch.setattr(fused_ops.fp8, "fp8_supported", lambda device: False)
+    with pytest.raises(errors.UsageError, match=r"^--mlps=fp8 needs FP8 tensor cores .*: leave fp8 out of --mlps$"):
+        bench.parse_args(base + ["--mlps=fp8", "--dtype=float16"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only message")
 def test_bench_mlp_needs_a_gpu():
     line = one_line_error(script("bench_mlp.py"), "bench_mlp.py", 2)
@@ -226,7 +290,7 @@ def test_out_of_memory_says_what_to_lower(dataset, trained, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("mlp,compile,fp8,tip", [("fused", False, False, True), ("auto", False, False, True),
                                                   ("eager", False, False, False), ("fused", True, False, False),
-                                                  ("fused", False, True, False)])
+                                                  ("fused", False, True, True), ("fused", True, True, False)])
 def test_out_of_memory_names_the_mlp_graphs_where_they_run(tmp_path, mlp, compile, fp8, tip):
     import stopping
     cfg = dict(out_dir=str(tmp_path), compile=compile, mlp=mlp, fp8=fp8, batch_size=8, gradient_accumulation_steps=1,
