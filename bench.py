@@ -86,12 +86,12 @@ def parse_args(argv=None):
     errors.check_device(args.device)
     if args.dtype not in (None, "bfloat16", "float16", "float32"):
         raise errors.UsageError(f"--dtype={args.dtype}: expected bfloat16, float16 or float32")
-    dtype = str(pick_dtype(args)).removeprefix("torch.")
-    for mlp in args.mlps.split(","):  # every variant checked before the first one is timed
+    dtype, mlps = str(pick_dtype(args)).removeprefix("torch."), args.mlps.split(",")
+    for mlp in mlps:  # every variant checked before the first one is timed
         if mlp not in MLPS:
             raise errors.UsageError(f"--mlps={args.mlps}: {mlp!r} is not one of {', '.join(MLPS)}")
         runtime.check_interpreter_dtype("fused" if mlp == "fp8" else mlp, args.device, dtype, f"--mlps={mlp}")
-    runtime.check_fp8("fp8" in args.mlps.split(","), args.device, dtype, "--mlps=fp8", "leave fp8 out of --mlps")
+    runtime.check_fp8("fp8" in mlps, args.device, dtype, "--mlps=fp8", "leave fp8 out of --mlps")
     return args
 
 
