@@ -106,6 +106,18 @@ def activation_grad(x, NAME: tl.constexpr):
         return 1.0 - t * t
 
 
+@triton.jit
+def silu_and_grad(x):
+    """(SiLU(x), SiLU'(x)) = (x·σ(x), σ(x)·(1 + x·(1 - σ(x)))) from one σ: one exp and one division an element,
+    where activation() and activation_grad() take two of each (the gated ping-pong epilogue, whose math is on its
+    critical path). Clamped as theirs, with the same limits: NaN gives (NaN, NaN), +inf (inf, 1), -inf (-0, -0);
+    a multiply by σ instead of a division by 1 + exp(-x) moves the result by at most an ulp or so."""
+    xl = tl.where(x < -TAIL, -TAIL, x)
+    xc = tl.where(xl > TAIL, TAIL, xl)
+    s = 1.0 / (1.0 + tl.exp(-xc))
+    return xl * s, s * (1.0 + xc * (1.0 - s))
+
+
 # Φ(-|x|) = exp(-x²/2) · t · S(t) with t = 1 / (1 + |x| / (2√2)) and S the degree-7 polynomial in
 # gelu_and_grad_16bit, fitted to erfcx(|x|/√2) / (2t) by lab/fit_gelu_cdf.py.
 GELU_CDF_T = tl.constexpr(0.3535533905932738)  # 1 / (2√2)

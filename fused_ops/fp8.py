@@ -113,7 +113,7 @@ def _store_quantized(v, offs_m, offs_n, n_ok, M, Mp, q_ptr, stride_q, qt_ptr, st
     rows = offs_m.to(tl.int64) if INT64 else offs_m
     cols = offs_n.to(tl.int64) if INT64 else offs_n
     v = tl.where((offs_m < M)[:, None], v, 0.0)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0), sem="relaxed")
     out = q_ptr.dtype.element_ty
     if ROW_MAJOR:
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], quantize(v, scale, out, EMULATE),

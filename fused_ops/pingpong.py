@@ -22,9 +22,9 @@ For the FP8 MLP (fp8.py), two more compile-time switches:
   FP8_IN: A and B are FP8 (e4m3, or e5m2 grad_y against e4m3 W2ᵀ: FP8 wgmma takes only K-major operands, and mixes
          the two formats), in K slices of 128 (128 bytes a row, as the 16-bit slices: the same ring); the
          accumulator is multiplied by the two operands' 1/scales before the epilogue (per-tensor scales).
-  FP8_OUT: h (or grad_z) leaves quantized, fp8(v · scale) with the delayed scale read from scale_ptr, each tile's
-         amax folded into amax_ptr with an atomic max (as the Triton FP8 epilogues do), from fp32 registers, twice:
-         row-major, and transposed (vᵀ, for the weight gradient's FP8 GEMM) through a permuted copy in shared
+  FP8_OUT: h (or grad_z) leaves quantized, fp8(v · scale) with the delayed scale read from scale_ptr (its amax kept
+         per row over all of a consumer's tiles, folded into amax_ptr once with an atomic max), from fp32 registers,
+         twice: row-major, and transposed (vᵀ, for the weight gradient's FP8 GEMM) through a permuted copy in shared
          memory; no cast or transpose pass is left. Gated, the forward stages only dh/dgate and dh/dup in 16 bits;
          the dgrad, with no shared memory to spare, writes each part's FP8 tiles into the saved tile it has just
          read.
@@ -44,7 +44,7 @@ import warnings
 import torch
 
 from . import matmul
-from .activations import activation, activation_grad, gelu_and_grad_16bit
+from .activations import activation, activation_grad, gelu_and_grad_16bit, silu_and_grad
 from .fp8_quantize import quantize
 from .matmul import split_columns, tile_ids
 from .tuning import INTERPRET, _specialization, cdiv
@@ -135,13 +135,14 @@ if AVAILABLE:
 
     @gluon.jit
     def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc, stage_bufs,
-                      base, q_bufs, qt_bufs, q_base, scale_ptr, amax_ptr, ACTIVATION: gl.constexpr,
+                      base, q_bufs, qt_bufs, q_base, scale_ptr, row_amax, ACTIVATION: gl.constexpr,
                       UP_ACTIVATION: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr,
                       SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
         """out = act(acc + bias) and, if SAVE, dh/dz (see linear_act.py) for one tile, through TMA stores
         of [BM, PART] parts. Gated: acc's columns are [gate | up] for the tile's TN output columns.
         FP8_OUT: out quantized, staged in q_bufs[q_base:], and its transpose through qt_bufs to out2_desc (rows
-        M..Mp of it zeros), its amax over rows < M folded in; the staging tiles hold only dh/dz (always saved)."""
+        M..Mp of it zeros); the staging tiles hold only dh/dz (always saved). Returns row_amax, each row's amax so
+        far (rows past M: 0) with this tile's folded in."""
         BM: gl.constexpr = acc.shape[0]
         BN: gl.constexpr = acc.shape[1]
         TN: gl.constexpr = BN // 2 if GATE_UP_B else BN
@@ -167,7 +168,6 @@ if AVAILABLE:
         if FP8_OUT:
             scale = gl.load(scale_ptr)
             rows_ok = gl.expand_dims(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, gates[0].type.layout)) < M, 1)
-            tile_amax = 0.0
         for p in gl.static_range(TN // PART):
             # parts alternate between two sets of staging buffers: the stores of the part before this
             # one may still be reading the other set, those of two parts ago must have left this one
@@ -175,6 +175,8 @@ if AVAILABLE:
             tma.store_wait(STORES)
             if ACTIVATION == "gelu":
                 gate, gate_grad = gelu_and_grad_16bit(gates[p])
+            elif ACTIVATION == "silu":
+                gate, gate_grad = silu_and_grad(gates[p])
             else:
                 gate = activation(gates[p], ACTIVATION)
                 gate_grad = activation_grad(gates[p], ACTIVATION)
@@ -186,7 +188,7 @@ if AVAILABLE:
                 h = gate
             if FP8_OUT:  # (rows past M hold act(bias): zeroed, for the amax and hᵀ's padding; TMA clips h's stores)
                 h = gl.where(rows_ok, h, 0.0)
-                tile_amax = gl.maximum(tile_amax, gl.max(gl.max(gl.abs(h), axis=1), axis=0))
+                row_amax = gl.maximum(row_amax, gl.convert_layout(gl.max(gl.abs(h), axis=1), row_amax.type.layout))
                 q = quantize(h, scale, out_desc.dtype, False)
                 q_bufs.index(q_base + p % 2).store(q)
                 qt_bufs.index(q_base + p % 2).store(gl.permute(q, (1, 0)))
@@ -207,26 +209,24 @@ if AVAILABLE:
                 tma_store(aux_desc, [off_m, col], stage_bufs.index(bufs + AUX))
                 if GATE_UP_B:
                     tma_store(aux2_desc, [off_m, col], stage_bufs.index(bufs + AUX + 1))
-        if FP8_OUT:
-            gl.atomic_max(amax_ptr, tile_amax)
+        return row_amax
 
     @gluon.jit
-    def _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base,
-                      q_bufs, qt_bufs, q_base, scale_ptr, amax_ptr, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
+    def _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base, q_bufs, qt_bufs,
+                      q_base, scale_ptr, row_amax, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
                       FP8_OUT: gl.constexpr):
         """grad = acc * saved for one tile, the saved parts already in stage_bufs[base:] (gated: the
         dh/dgate parts, then the dh/dup parts), written back there and stored; with HAS_BIAS each
         column's sum over the tile's rows to row pid_m of the bias-gradient partials. FP8_OUT: grad quantized
         part by part to out_desc and, transposed, out2_desc (both over the whole [gate | up] width when gated),
-        its amax folded in (rows past M are zeros: grad_y's are); staged through q_bufs / qt_bufs (two of each per
-        consumer, alternating), or, gated, in the spent saved tile itself (its 8 KB hold the part's 4 KB q and
-        4 KB qᵀ: the gated kernel has no shared memory left for more)."""
+        its rows' amax folded into row_amax, which is returned (rows past M are zeros: grad_y's are); staged through
+        q_bufs / qt_bufs (two of each per consumer, alternating), or, gated, in the spent saved tile itself (its 8 KB
+        hold the part's 4 KB q and 4 KB qᵀ: the gated kernel has no shared memory left for more)."""
         PART: gl.constexpr = out_desc.block_type.shape[1]
         HALVES: gl.constexpr = 2 if GATED else 1
         parts = _column_quarters(acc)
         if FP8_OUT:
             scale = gl.load(scale_ptr)
-            row_amax = gl.zeros([parts[0].shape[0]], gl.float32, gl.SliceLayout(1, parts[0].type.layout))
             for half in gl.static_range(HALVES):
                 for p in gl.static_range(4):
                     buf = stage_bufs.index(base + 4 * half + p)
@@ -234,9 +234,8 @@ if AVAILABLE:
                     if HAS_BIAS:
                         offs = off_n + p * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, grad.type.layout))
                         gl.store(dbias_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
-                    # the amax over each row's 4 lanes here, across the warps once a tile (below): a reduction across
-                    # warps goes through shared memory and barriers that stall all 8 warps (4 us a dgrad, lab/fp8)
-                    row_amax = gl.maximum(row_amax, gl.max(gl.abs(grad), axis=1))
+                    row_amax = gl.maximum(row_amax,
+                                          gl.convert_layout(gl.max(gl.abs(grad), axis=1), row_amax.type.layout))
                     q = quantize(grad, scale, out_desc.dtype, False)
                     if GATED:
                         q_buf = buf.reinterpret(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout).index(0)
@@ -252,7 +251,6 @@ if AVAILABLE:
                     col = half * N + off_n + p * PART
                     tma_store(out_desc, [off_m, col], q_buf)
                     tma_store(out2_desc, [col, off_m], qt_buf)
-            gl.atomic_max(amax_ptr, gl.max(row_amax, axis=0))
         else:
             for half in gl.static_range(HALVES):
                 for p in gl.static_range(4):
@@ -267,6 +265,7 @@ if AVAILABLE:
                 tma_store(out_desc, [off_m, off_n + p * PART], stage_bufs.index(base + p))
                 if GATED:
                     tma_store(out2_desc, [off_m, off_n + p * PART], stage_bufs.index(base + 4 + p))
+        return row_amax
 
     @gluon.jit
     def _consumer(a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, q_bufs,
@@ -288,6 +287,11 @@ if AVAILABLE:
         k_steps = gl.cdiv(K, BK)
         i = 0  # ring position of this tile's first K slice (both consumers walk the whole ring)
         t = 0  # this program's tile count
+        # FP8_OUT: the amax of each of the tile rows' outputs over all tiles so far (each row's 4 lanes reduce their
+        # part; one thread holds 2 rows), reduced across the warps and folded into amax_ptr once, after the last tile:
+        # a reduction across warps goes through shared memory and barriers that stall all 8 warps, so not at every
+        # part or tile (lab/fp8/epilogue_probe.py). A maximum does not depend on the order it is taken in.
+        row_amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, acc_layout))
         for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, TN), gl.num_programs(0)):
             if t % 2 == WHO:
                 pid_m, pid_n = tile_ids(tile, M, N, BM, TN, GROUP_M_)
@@ -324,15 +328,18 @@ if AVAILABLE:
                     acc = acc * (gl.load(a_inv_ptr) * gl.load(b_inv_ptr))
 
                 if EPILOGUE == "act":
-                    _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc,
-                                  stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale_ptr, amax_ptr, ACTIVATION,
-                                  UP_ACTIVATION, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT)
+                    row_amax = _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc,
+                                             aux2_desc, stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale_ptr, row_amax,
+                                             ACTIVATION, UP_ACTIVATION, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT)
                 else:
                     mbarrier.wait(bar, j & 1)
-                    _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base,
-                                  q_bufs, qt_bufs, 2 * WHO, scale_ptr, amax_ptr, GATED, HAS_BIAS, FP8_OUT)
+                    row_amax = _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs,
+                                             base, q_bufs, qt_bufs, 2 * WHO, scale_ptr, row_amax, GATED, HAS_BIAS,
+                                             FP8_OUT)
             i += k_steps
             t += 1
+        if FP8_OUT:
+            gl.atomic_max(amax_ptr, gl.max(row_amax, axis=0), sem="relaxed")
         tma.store_wait(0)
 
     @gluon.jit

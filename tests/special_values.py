@@ -42,6 +42,7 @@ LIMITS = {
     "tanh":      ((1.0, 0.0), (-1.0, 0.0), (NAN, NAN)),
 }
 LIMITS["gelu_16bit"] = LIMITS["gelu"]  # the 16-bit kernels' fitted GELU: the same function, the same limits
+LIMITS["silu_and_grad"] = LIMITS["silu"]  # SiLU and its derivative from one σ (the gated ping-pong epilogue)
 
 GELU_TANH_C = 0.044715
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
@@ -78,7 +79,7 @@ def _finite_reference(name, x):
     if name == "relu2":
         r = x if x > 0 else 0.0
         return r * r if r < 1e160 else INF, 2.0 * r
-    if name == "silu":
+    if name in ("silu", "silu_and_grad"):
         s = _sigmoid(x)
         return x * s, s * (1.0 + x * (1.0 - s)) if x > -700 else -0.0
     if name == "sigmoid":

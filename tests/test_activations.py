@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_ops.activations import GATED, PLAIN, activation, activation_grad, gelu_and_grad_16bit
+from fused_ops.activations import GATED, PLAIN, activation, activation_grad, gelu_and_grad_16bit, silu_and_grad
 from fused_ops.linear_act import linear_act_forward
 from model import PLAIN_ACTIVATIONS
 from special_values import INF, NAN, SPECIAL_INPUTS, assert_special_values_match, expected, times
@@ -25,6 +25,8 @@ def _evaluate(x_ptr, out_ptr, grad_ptr, n, NAME: tl.constexpr, BLOCK: tl.constex
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if NAME == "gelu_16bit":
         out, grad = gelu_and_grad_16bit(x)
+    elif NAME == "silu_and_grad":
+        out, grad = silu_and_grad(x)
     else:
         out, grad = activation(x, NAME), activation_grad(x, NAME)
     tl.store(out_ptr + offs, out, mask=mask)
@@ -42,7 +44,7 @@ def reference(name, x):
     x = x.double().cpu().requires_grad_()
     # the model's eager activations, and the halves the gated ones are built from
     f = {**PLAIN_ACTIVATIONS, "identity": lambda v: v, "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid,
-         "tanh": torch.tanh}[name]
+         "tanh": torch.tanh, "silu_and_grad": torch.nn.functional.silu}[name]
     y = f(x)
     (grad,) = torch.autograd.grad(y.sum(), x)
     return y.detach(), grad
@@ -57,7 +59,7 @@ def inputs():
 KERNEL_NAMES = sorted(set(PLAIN) | {name for pair in GATED.values() for name in pair})
 
 
-@pytest.mark.parametrize("name", KERNEL_NAMES)
+@pytest.mark.parametrize("name", KERNEL_NAMES + ["silu_and_grad"])
 def test_activation_and_its_derivative(name):
     x = inputs()
     out, grad = evaluate(name, x)
@@ -88,7 +90,7 @@ def test_gelu_16bit_is_within_its_documented_error():
 
 # NaN, ±inf and overflow: against the machine-independent table of tests/special_values.py, never against
 # eager PyTorch (whose fp32 F.gelu(+inf) is NaN on AVX-512 CPUs and +inf elsewhere; issue 27).
-@pytest.mark.parametrize("name", KERNEL_NAMES + ["gelu_16bit"])
+@pytest.mark.parametrize("name", KERNEL_NAMES + ["gelu_16bit", "silu_and_grad"])
 def test_special_values_are_the_limits(name):
     """A NaN must reach the loss (train.py stops on it): each function and its derivative give NaN at NaN
     (but identity' and relu', 1), the mathematical limit at ±inf, and the fp32-rounded exact value at
@@ -106,7 +108,7 @@ def test_special_values_are_the_limits(name):
 def test_special_value_table_is_the_limit_of_the_finite_reference():
     """The table's ±inf entries are where the finite float64 reference goes at huge |x| (a check of the
     table itself, not of the kernels)."""
-    for name in KERNEL_NAMES + ["gelu_16bit"]:
+    for name in KERNEL_NAMES + ["gelu_16bit", "silu_and_grad"]:
         at_inf, at_minus_inf = expected(name, [INF, -INF])
         huge, minus_huge = expected(name, [1e300, -1e300])
         assert torch.equal(at_inf, huge) and torch.equal(at_minus_inf, minus_huge), name
