@@ -70,10 +70,11 @@ VARIANTS = {"fwd_no_qt": FWD_NO_QT, "fwd_no_save": FWD_NO_SAVE, "fwd_no_math": F
             "dgrad_no_qt": DGRAD_NO_QT, "dgrad_part_amax": DGRAD_PART_AMAX}
 
 
-def variant(name):
-    """fused_ops._probe_<name>: pingpong.py with VARIANTS[name]'s edits (the file is removed when the probe exits)."""
-    text = SOURCE.read_text()
-    for old, new in VARIANTS[name]:
+def variant(name, edits=None, source=SOURCE):
+    """fused_ops._probe_<name>: pingpong.py (or source) with VARIANTS[name]'s edits (or edits), the file removed when
+    the probe exits."""
+    text = source.read_text()
+    for old, new in VARIANTS[name] if edits is None else edits:
         assert text.count(old) == 1, (name, old)
         text = text.replace(old, new)
     path = SOURCE.with_name(f"_probe_{name}.py")

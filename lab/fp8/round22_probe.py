@@ -10,17 +10,17 @@ each), copied to fused_ops/_probe_before.py by whoever runs this (it is not kept
 """
 
 import argparse
-import atexit
 import importlib
 import pathlib
 
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
 
 from fused_ops import fp8, pingpong
 from fused_ops.fp8_quantize import quantize
+from lab.fp8 import epilogue_probe
+from lab.fp8.epilogue_probe import bench
 
 
 @triton.jit
@@ -72,18 +72,7 @@ VARIANTS = {
 
 def variant(name):
     """fused_ops._probe_<name>: the "before" pingpong.py with VARIANTS[name]'s edits (removed when the probe exits)."""
-    text = SOURCE.read_text()
-    for old, new in VARIANTS[name]:
-        assert text.count(old) == 1, (name, old)
-        text = text.replace(old, new)
-    path = SOURCE.with_name(f"_probe_{name}.py")
-    path.write_text(text)
-    atexit.register(path.unlink, missing_ok=True)
-    return importlib.import_module(f"fused_ops._probe_{name}")
-
-
-def bench(fn):
-    return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return epilogue_probe.variant(name, VARIANTS[name], SOURCE)
 
 
 def setup(M, C, gated, dev="cuda", dt=torch.bfloat16):
