@@ -283,9 +283,12 @@ def test_nan_and_inf_rows_on_cpu(monkeypatch, cast_after):
     check_nan_and_inf_rows("cpu", torch.float16)
 
 
-def test_cast_transpose_is_torchs_quantization_padded_with_zeros():
-    state = FP8State()
-    x = torch.randn(37, 48, dtype=torch.float16) * 30
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_fp8_gpu])])
+def test_cast_transpose_is_torchs_quantization_padded_with_zeros(device):
+    """The cast pass: torch's quantization (saturating), ±inf as NaN, zero padding, the amax. On the CPU through the
+    interpreter's hand encoding; on the GPU through the conversion's own saturation (fp8_quantize.quantize)."""
+    state = FP8State().to(device)
+    x = torch.randn(37, 48, dtype=torch.float16, device=device) * 30
     x[3, 5], x[4, 6], x[5, 7], x[6, 8] = float("nan"), float("inf"), -float("inf"), 6e4
     state.scale[fp8.X] = 0.5
     q, qt = fp8.cast_transpose(x, state, fp8.X, row_major=True)
@@ -299,9 +302,11 @@ def test_cast_transpose_is_torchs_quantization_padded_with_zeros():
     # e5m2 (gradients): a wider range, a coarser grid
     state.amax.zero_()
     state.scale[fp8.GRAD_Y] = 3e4
-    g = torch.randn(20, 32, dtype=torch.float16) * 1e-4
+    g = torch.randn(20, 32, dtype=torch.float16, device=device) * 1e-4
+    g[2, 3], g[4, 5] = 4.0, -60.0  # past e5m2's range at this scale: ±57344
     _, gt = fp8.cast_transpose(g, state, fp8.GRAD_Y)
     assert torch.equal(gt[:, :20].t().float(), quantize(g, 3e4, E5M2).float())
+    assert gt[3, 2].float() == 57344.0 and gt[5, 4].float() == -57344.0
     assert state.amax[fp8.GRAD_Y].item() == g.float().abs().max().item()
 
 

@@ -352,7 +352,8 @@ def assert_near(ours, want, bound=1e-2):
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("act", ["gelu", "relu2"])
 @pytest.mark.parametrize("programs", [None, 2])
-def test_forward_fp8_output(act, programs, monkeypatch):
+@pytest.mark.parametrize("saturate", [False, True])
+def test_forward_fp8_output(act, programs, saturate, monkeypatch):
     """The FP8 MLP's forward GEMM, FP8 in (x8, W8 in e4m3, an FP8 main loop) and out (h8 and h8ᵀ): fp8(h · scale) of
     the fp32 h, within one FP8 step of torch's quantization of the h the 16-bit-output variant writes from the same
     accumulator (and equal almost everywhere; that h near the float64 one on the same FP8 operands), NaN in NaN's
@@ -360,7 +361,8 @@ def test_forward_fp8_output(act, programs, monkeypatch):
     16-bit-output variant writes it; the amax over the real rows only. Here the rows past M = 1000 (zeros in, act(bias) out) would give act(bias) (3 for GELU, 18 for relu²)
     where the real rows' amax is several times smaller. programs=2: 32 tiles on two persistent programs, so that
     both consumers run and reuse their buffers across tiles (with one program per SM, each program here gets one
-    tile). K = 384: three K slices of 128."""
+    tile). K = 384: three K slices of 128. saturate: a scale 50x larger, so that many values pass e4m3's range and
+    must come out ±448 (the conversion saturates them: fp8_quantize.quantize)."""
     if programs:
         monkeypatch.setattr(pingpong, "_num_sms", lambda device: programs)
     E4M3 = torch.float8_e4m3fn
@@ -371,7 +373,10 @@ def test_forward_fp8_output(act, programs, monkeypatch):
     b = torch.full((N,), 3.0 if act == "gelu" else 4.25, device="cuda", dtype=torch.bfloat16)
     x[5, 3] = float("nan")
     x8, w8, inv = fp8_operands(x, w, E4M3, g)
-    scale, amax = torch.tensor([100.0 if act == "gelu" else 20.0], device="cuda"), torch.zeros(1, device="cuda")
+    # (saturate: relu²'s h is ~0.06 here, GELU's up to ~1)
+    scale = torch.tensor([(100.0 * (50 if saturate else 1)) if act == "gelu" else (20.0 * (2000 if saturate else 1))],
+                         device="cuda")
+    amax = torch.zeros(1, device="cuda")
     h8 = torch.empty(M, N, device="cuda", dtype=E4M3)
     h8t = torch.full((N, 1008), 1.0, device="cuda").to(E4M3)  # (1008: M padded to 16, as fp8.py pads)
     saved = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
@@ -390,6 +395,7 @@ def test_forward_fp8_output(act, programs, monkeypatch):
     diff = (ours - ref)[rows].abs()
     assert (diff <= ref[rows].abs() / 8 + 2 ** -9).all()  # one step: e4m3 has 3 mantissa bits (2^-9: subnormals)
     assert (diff == 0).float().mean() > 0.95
+    assert (ours[rows].abs() == 448).any() == saturate
     want = h16[rows].float().abs().max().item()  # (the kernel's own h: its amax is of the fp32 h)
     assert 0 < want < f(b[0].double()).item() / 3 and amax.item() == pytest.approx(want, rel=1e-2)
     assert torch.equal(saved[rows], saved16[rows])
@@ -402,11 +408,12 @@ def test_forward_fp8_output(act, programs, monkeypatch):
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("bias_grad", [False, True])
 @pytest.mark.parametrize("programs", [None, 2])
-def test_dgrad_fp8_output(bias_grad, programs, monkeypatch):
+@pytest.mark.parametrize("saturate", [False, True])
+def test_dgrad_fp8_output(bias_grad, programs, saturate, monkeypatch):
     """The FP8 MLP's dgrad, FP8 in (gy8 in e5m2, W2ᵀ in e4m3: mixed FP8 MMAs) and out (gz8 and gz8ᵀ, e5m2): within
     one FP8 step of torch's quantization of what the 16-bit-output variant writes from the same accumulator (itself
     near (gy8 @ W2) * saved in float64), equal almost everywhere, NaN in NaN's row; the transposed copy bit for bit, zero past M; the amax; the bias gradient's column sums those of
-    the 16-bit-output variant, bit for bit. programs: as in test_forward_fp8_output."""
+    the 16-bit-output variant, bit for bit. programs, saturate: as in test_forward_fp8_output (±57344 here)."""
     if programs:
         monkeypatch.setattr(pingpong, "_num_sms", lambda device: programs)
     E5M2 = torch.float8_e5m2
@@ -419,7 +426,7 @@ def test_dgrad_fp8_output(bias_grad, programs, monkeypatch):
     if nan_row is not None:
         gy[nan_row, 2] = float("nan")
     gy8, w2t8, inv = fp8_operands(gy, w2.t(), E5M2, g)
-    scale, amax = torch.tensor([1000.0], device="cuda"), torch.zeros(1, device="cuda")
+    scale, amax = torch.tensor([1e5 if saturate else 1000.0], device="cuda"), torch.zeros(1, device="cuda")
     gz8 = torch.empty(M, N, device="cuda", dtype=E5M2)
     gz8t = torch.full((N, 1008), 1.0, device="cuda").to(E5M2)
     ok, db = pingpong.dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, scale, amax)
@@ -439,6 +446,7 @@ def test_dgrad_fp8_output(bias_grad, programs, monkeypatch):
     diff = (ours - ref)[rows].abs()
     assert (diff <= ref[rows].abs() / 4 + 2 ** -16).all()  # one step: e5m2 has 2 mantissa bits
     assert (diff == 0).float().mean() > 0.9
+    assert (ours[rows].abs() == 57344).any() == saturate
     assert amax.item() == pytest.approx(gz[rows].abs().max().item(), rel=2e-2)
     assert_near(gz16[rows], gz[rows])
     if bias_grad:

@@ -134,10 +134,11 @@ def main():
     p.add_argument("--C", type=int, default=768)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dgrad", action="store_true", help="the dgrad variants only (VARIANTS)")
+    p.add_argument("--before", default="fused_ops._probe_before", help="the module the product is compared with")
     a = p.parse_args()
     if a.dgrad:
         return dgrad_variants(a)
-    before = importlib.import_module("fused_ops._probe_before")
+    before = importlib.import_module(a.before)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for gated in (False, True):
         d = setup(a.M, a.C, gated)
