@@ -150,6 +150,12 @@ def main():
             ran = fn()
             assert (ran[0] if isinstance(ran, tuple) else ran) is not False, name
         torch.cuda.synchronize()
+        fwd8 = {}
+        for tag in ("before", "after "):  # the FP8 forward's outputs, before and after (the same scale and inputs)
+            rows[f"{tag} fwd FP8 out"]()
+            fwd8[tag] = (d["h8"].view(torch.uint8).clone(), d["h8t"].view(torch.uint8).clone(), d["saved"].clone())
+        print(f"{d['act']}: FP8 forward outputs (h8, h8t, dh/dz) bit for bit those of before:",
+              [torch.equal(u, v) for u, v in zip(fwd8["before"], fwd8["after "])])
         if not gated:  # the persistent cast writes what the product's does
             q0, qt0 = fp8.cast_transpose(d["x"], d["state"], fp8.X, row_major=True)
             print("persistent cast == product:", torch.equal(q.view(torch.uint8), q0.view(torch.uint8)),
