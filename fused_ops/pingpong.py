@@ -290,7 +290,7 @@ if AVAILABLE:
         # FP8_OUT: the amax of each of the tile rows' outputs over all tiles so far (each row's 4 lanes reduce their
         # part; one thread holds 2 rows), reduced across the warps and folded into amax_ptr once, after the last tile:
         # a reduction across warps goes through shared memory and barriers that stall all 8 warps, so not at every
-        # part or tile (lab/fp8/epilogue_probe.py). A maximum does not depend on the order it is taken in.
+        # part or tile (lab/fp8/round22_probe.py). A maximum does not depend on the order it is taken in.
         row_amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, acc_layout))
         for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, TN), gl.num_programs(0)):
             if t % 2 == WHO:
