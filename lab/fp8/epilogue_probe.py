@@ -87,16 +87,12 @@ def bench(fn):
     return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--M", type=int, default=12288)
-    p.add_argument("--C", type=int, default=768)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--only", help="run just this row a few times (for Nsight Compute), no timing")
-    a = p.parse_args()
-    M, C, H, dev, dt = a.M, a.C, 4 * a.C, "cuda", torch.bfloat16
+def setup(M, C, gated, dev="cuda", dt=torch.bfloat16):
+    """The FP8 MLP's operands at M x C (GELU H = 4C, SwiGLU H = 2048), their scales set, the weights' FP8 copies,
+    and the outputs' buffers (round22_probe.py uses them too)."""
+    H = 2048 if gated else 4 * C
     torch.manual_seed(0)
-    w1 = torch.randn(H, C, device=dev, dtype=dt) / C ** 0.5
+    w1 = torch.randn(2 * H if gated else H, C, device=dev, dtype=dt) / C ** 0.5
     w2 = torch.randn(C, H, device=dev, dtype=dt) / H ** 0.5
     x = torch.randn(M, C, device=dev, dtype=dt)
     gy = torch.randn(M, C, device=dev, dtype=dt) * 1e-3
@@ -108,15 +104,30 @@ def main():
     x8, _ = fp8.cast_transpose(x, state, fp8.X, row_major=True)
     gy8, _ = fp8.cast_transpose(gy, state, fp8.GRAD_Y, row_major=True)
     inv_x, inv_gy = state.inv_scale[fp8.X, :1], state.inv_scale[fp8.GRAD_Y, :1]
-    Mp = -(-M // 128) * 128
-    h8 = torch.empty(M, H, device=dev, dtype=fp8.E4M3)
-    h8t = torch.empty(H, Mp, device=dev, dtype=fp8.E4M3)
-    gz8 = torch.empty(M, H, device=dev, dtype=fp8.E5M2)
-    gz8t = torch.empty(H, Mp, device=dev, dtype=fp8.E5M2)
-    saved = torch.randn(M, H, device=dev, dtype=dt)
-    h16 = torch.empty(M, H, device=dev, dtype=dt)
+    Mp = -(-M // 16) * 16
+    W = 2 * H if gated else H
+    return dict(x=x, gy=gy, state=state, x8=x8, gy8=gy8, w18=w18, w2t8=w2t8, inv1=(inv_x, w1inv),
+                inv2=(inv_gy, w2inv), h8=torch.empty(M, H, device=dev, dtype=fp8.E4M3),
+                h8t=torch.empty(H, Mp, device=dev, dtype=fp8.E4M3),
+                gz8=torch.empty(M, W, device=dev, dtype=fp8.E5M2), gz8t=torch.empty(W, Mp, device=dev, dtype=fp8.E5M2),
+                saved=torch.randn(M, W, device=dev, dtype=dt), h16=torch.empty(M, H, device=dev, dtype=dt),
+                amax=torch.zeros(1, device=dev), gated=gated, act="silu" if gated else "gelu", Mp=Mp)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--M", type=int, default=12288)
+    p.add_argument("--C", type=int, default=768)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--only", help="run just this row a few times (for Nsight Compute), no timing")
+    a = p.parse_args()
+    d = setup(a.M, a.C, False)
+    M, C, H, dt = a.M, a.C, 4 * a.C, torch.bfloat16
+    state, x8, gy8, w18, w2t8, saved, h16, amax = (d[k] for k in ("state", "x8", "gy8", "w18", "w2t8", "saved", "h16",
+                                                                    "amax"))
+    h8, h8t, gz8, gz8t = d["h8"], d["h8t"], d["gz8"], d["gz8t"]
+    (inv_x, w1inv), (inv_gy, w2inv) = d["inv1"], d["inv2"]
     one = state.inv_scale[1, :1]
-    amax = torch.zeros(1, device=dev)
 
     def fwd(mod):
         return lambda: mod.linear_act_forward_fp8(x8, w18, (inv_x, w1inv), None, "gelu", h8, h8t, saved,

@@ -20,7 +20,7 @@ import triton.language as tl
 from fused_ops import fp8, pingpong
 from fused_ops.fp8_quantize import quantize
 from lab.fp8 import epilogue_probe
-from lab.fp8.epilogue_probe import bench
+from lab.fp8.epilogue_probe import bench, setup
 
 
 @triton.jit
@@ -73,31 +73,6 @@ VARIANTS = {
 def variant(name):
     """fused_ops._probe_<name>: the "before" pingpong.py with VARIANTS[name]'s edits (removed when the probe exits)."""
     return epilogue_probe.variant(name, VARIANTS[name], SOURCE)
-
-
-def setup(M, C, gated, dev="cuda", dt=torch.bfloat16):
-    H = 2048 if gated else 4 * C
-    torch.manual_seed(0)
-    w1 = torch.randn(2 * H if gated else H, C, device=dev, dtype=dt) / C ** 0.5
-    w2 = torch.randn(C, H, device=dev, dtype=dt) / H ** 0.5
-    x = torch.randn(M, C, device=dev, dtype=dt)
-    gy = torch.randn(M, C, device=dev, dtype=dt) * 1e-3
-    state = fp8.FP8State().to(dev)
-    for slot, t in ((fp8.X, x), (fp8.GRAD_Y, gy), (fp8.H, torch.ones(1, device=dev)),
-                    (fp8.GRAD_Z, torch.full((1,), 1e-3, device=dev))):
-        fp8._set_current_scale(state, slot, t)
-    w18, w1t8, w1inv, w28, w2t8, w2inv = state.weights(w1, w2)
-    x8, _ = fp8.cast_transpose(x, state, fp8.X, row_major=True)
-    gy8, _ = fp8.cast_transpose(gy, state, fp8.GRAD_Y, row_major=True)
-    inv_x, inv_gy = state.inv_scale[fp8.X, :1], state.inv_scale[fp8.GRAD_Y, :1]
-    Mp = -(-M // 16) * 16
-    W = 2 * H if gated else H
-    return dict(x=x, gy=gy, state=state, x8=x8, gy8=gy8, w18=w18, w2t8=w2t8, inv1=(inv_x, w1inv),
-                inv2=(inv_gy, w2inv), h8=torch.empty(M, H, device=dev, dtype=fp8.E4M3),
-                h8t=torch.empty(H, Mp, device=dev, dtype=fp8.E4M3),
-                gz8=torch.empty(M, W, device=dev, dtype=fp8.E5M2), gz8t=torch.empty(W, Mp, device=dev, dtype=fp8.E5M2),
-                saved=torch.randn(M, W, device=dev, dtype=dt), h16=torch.empty(M, H, device=dev, dtype=dt),
-                amax=torch.zeros(1, device=dev), gated=gated, act="silu" if gated else "gelu", Mp=Mp)
 
 
 def rows_for(mod, d, tag):
