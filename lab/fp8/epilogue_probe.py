@@ -87,6 +87,18 @@ def bench(fn):
     return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def alternated(rows, rounds, title, width=34):
+    """Time each of rows (name -> fn) once a round, the order reversed every other round, and print the times under
+    title with each row's median."""
+    times = {k: [] for k in rows}
+    for r in range(rounds):
+        for k in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
+            times[k].append(bench(rows[k]))
+    print(f"\n{title}, GPU time, us, do_bench median per round (alternated)")
+    for k, v in times.items():
+        print(f"{k:{width}s} " + " ".join(f"{t:7.1f}" for t in v) + f"   median {sorted(v)[len(v) // 2]:7.1f}")
+
+
 def setup(M, C, gated, dev="cuda", dt=torch.bfloat16):
     """The FP8 MLP's operands at M x C (GELU H = 4C, SwiGLU H = 2048), their scales set, the weights' FP8 copies,
     and the outputs' buffers (round22_probe.py uses them too)."""
@@ -170,13 +182,7 @@ def main():
             rows[a.only]()
         torch.cuda.synchronize()
         return
-    times = {k: [] for k in rows}
-    for r in range(a.rounds):
-        for k in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
-            times[k].append(bench(rows[k]))
-    print(f"\nM={M} C={C} H={H} GELU, GPU time, us, do_bench median per round (alternated)")
-    for k, v in times.items():
-        print(f"{k:34s} " + " ".join(f"{t:7.1f}" for t in v) + f"   median {sorted(v)[len(v) // 2]:7.1f}")
+    alternated(rows, a.rounds, f"M={M} C={C} H={H} GELU")
 
 
 if __name__ == "__main__":

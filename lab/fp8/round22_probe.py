@@ -20,7 +20,7 @@ import triton.language as tl
 from fused_ops import fp8, pingpong
 from fused_ops.fp8_quantize import quantize
 from lab.fp8 import epilogue_probe
-from lab.fp8.epilogue_probe import bench, setup
+from lab.fp8.epilogue_probe import alternated, setup
 
 
 @triton.jit
@@ -140,14 +140,7 @@ def main():
             for key, k in mod._compiled.items():
                 print(f"  {mod.__name__.split('.')[-1]:14s} {'/'.join(str(c) for c in key[0][:5])}"
                       f"{' FP8_OUT' if key[0][-2] else ''}: {k.n_regs} registers, {k.n_spills} spilled")
-        times = {k: [] for k in rows}
-        for r in range(a.rounds):
-            for k in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
-                times[k].append(bench(rows[k]))
-        H = 2048 if gated else 4 * a.C
-        print(f"\nM={a.M} C={a.C} H={H} {d['act']}, GPU time, us, do_bench median per round (alternated)")
-        for k, v in times.items():
-            print(f"{k:44s} " + " ".join(f"{t:7.1f}" for t in v) + f"   median {sorted(v)[len(v) // 2]:7.1f}")
+        alternated(rows, a.rounds, f"M={a.M} C={a.C} H={2048 if gated else 4 * a.C} {d['act']}", 44)
 
 
 def dgrad_variants(a):
@@ -163,13 +156,7 @@ def dgrad_variants(a):
         torch.cuda.synchronize()
         print(f"{d['act']}: outputs (gz8, gz8t) bit for bit those of before:",
               {k: (torch.equal(v[0], outs["before"][0]), torch.equal(v[1], outs["before"][1])) for k, v in outs.items()})
-        times = {k: [] for k in rows}
-        for r in range(a.rounds):
-            for k in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
-                times[k].append(bench(rows[k]))
-        print(f"\nM={a.M} C={a.C} {d['act']} dgrad FP8 out, GPU time, us, do_bench median per round (alternated)")
-        for k, v in times.items():
-            print(f"{k:44s} " + " ".join(f"{t:7.1f}" for t in v) + f"   median {sorted(v)[len(v) // 2]:7.1f}")
+        alternated(rows, a.rounds, f"M={a.M} C={a.C} {d['act']} dgrad FP8 out", 44)
     print("registers and spills:")
     for name, mod in mods.items():
         for key, k in mod._compiled.items():
