@@ -135,7 +135,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc, stage_bufs,
-                      base, q_bufs, qt_bufs, q_base, scale_ptr, row_amax, ACTIVATION: gl.constexpr,
+                      base, q_bufs, qt_bufs, q_base, scale, row_amax, ACTIVATION: gl.constexpr,
                       UP_ACTIVATION: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr,
                       SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
         """out = act(acc + bias) and, if SAVE, dh/dz (see linear_act.py) for one tile, through TMA stores
@@ -166,7 +166,6 @@ if AVAILABLE:
             gates = _column_quarters(acc)
             ups = gates
         if FP8_OUT:
-            scale = gl.load(scale_ptr)
             rows_ok = gl.expand_dims(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, gates[0].type.layout)) < M, 1)
         for p in gl.static_range(TN // PART):
             # parts alternate between two sets of staging buffers: the stores of the part before this
@@ -213,7 +212,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base, q_bufs, qt_bufs,
-                      q_base, scale_ptr, row_amax, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      q_base, scale, row_amax, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
                       FP8_OUT: gl.constexpr):
         """grad = acc * saved for one tile, the saved parts already in stage_bufs[base:] (gated: the
         dh/dgate parts, then the dh/dup parts), written back there and stored; with HAS_BIAS each
@@ -226,7 +225,6 @@ if AVAILABLE:
         HALVES: gl.constexpr = 2 if GATED else 1
         parts = _column_quarters(acc)
         if FP8_OUT:
-            scale = gl.load(scale_ptr)
             for half in gl.static_range(HALVES):
                 for p in gl.static_range(4):
                     buf = stage_bufs.index(base + 4 * half + p)
@@ -292,6 +290,13 @@ if AVAILABLE:
         # a reduction across warps goes through shared memory and barriers that stall all 8 warps, so not at every
         # part or tile (lab/fp8/round22_probe.py). A maximum does not depend on the order it is taken in.
         row_amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, acc_layout))
+        # The scalars every tile uses, loaded once: a global load at each tile's epilogue stalls it until the value
+        # comes back from L1 or L2 (lab/fp8/ncu_stalls.py).
+        scale = 1.0
+        if FP8_OUT:
+            scale = gl.load(scale_ptr)
+        if FP8_IN:
+            ab_inv = gl.load(a_inv_ptr) * gl.load(b_inv_ptr)
         for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, TN), gl.num_programs(0)):
             if t % 2 == WHO:
                 pid_m, pid_n = tile_ids(tile, M, N, BM, TN, GROUP_M_)
@@ -325,16 +330,16 @@ if AVAILABLE:
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(empty.index((i + k_steps - 1) % S))
                 if FP8_IN:  # the product of two quantized operands, times their 1/scales: the GEMM's value
-                    acc = acc * (gl.load(a_inv_ptr) * gl.load(b_inv_ptr))
+                    acc = acc * ab_inv
 
                 if EPILOGUE == "act":
                     row_amax = _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc,
-                                             aux2_desc, stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale_ptr, row_amax,
+                                             aux2_desc, stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale, row_amax,
                                              ACTIVATION, UP_ACTIVATION, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT)
                 else:
                     mbarrier.wait(bar, j & 1)
                     row_amax = _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs,
-                                             base, q_bufs, qt_bufs, 2 * WHO, scale_ptr, row_amax, GATED, HAS_BIAS,
+                                             base, q_bufs, qt_bufs, 2 * WHO, scale, row_amax, GATED, HAS_BIAS,
                                              FP8_OUT)
             i += k_steps
             t += 1
