@@ -124,12 +124,19 @@ def _store_quantized(v, offs_m, offs_n, n_ok, M, Mp, q_ptr, stride_q, qt_ptr, st
 
 
 @triton.jit
-def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, stride_xm,
+def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, stride_xm, copy_from, copy_to,
                           ROW_MAJOR: tl.constexpr, EMULATE: tl.constexpr, INT64: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr = True):
+                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr = True,
+                          COPY: tl.constexpr = 0):
     """qt (C, Mp) = fp8(x · scale)ᵀ with zero columns past M (if TRANSPOSED), and (ROW_MAJOR) q (M, C) =
     fp8(x · scale). The transposed copy is right for 16-bit x only: from fp32 x it came out wrong on an H100 and
-    an H200 with Triton 3.6 (quantize_weight_fused asks for the row-major one only)."""
+    an H200 with Triton 3.6 (quantize_weight_fused asks for the row-major one only). COPY > 0: the first program
+    also copies COPY floats from copy_from to copy_to (the FP8 MLP's forward keeps its scales so, where a copy of
+    its own was a graph node with a launch gap after it: lab/results/fp8_round23.txt)."""
+    if COPY > 0:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            offs = tl.arange(0, COPY)
+            tl.store(copy_to + offs, tl.load(copy_from + offs))
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
@@ -413,23 +420,27 @@ def _padded(m):
 CAST_TILE = {True: (32, 32, 4), False: (32, 32, 4)} if INTERPRET else {True: (64, 64, 2), False: (64, 64, 4)}
 
 
-def cast_transpose(x2, state, slot, row_major=False):
-    """(q (M, C) if row_major else None, qt (C, Mp)): x2 quantized with the slot's scale, its amax folded in."""
+def cast_transpose(x2, state, slot, row_major=False, inv_scales=None):
+    """(q (M, C) if row_major else None, qt (C, Mp)): x2 quantized with the slot's scale, its amax folded in; and, if
+    inv_scales is given (a tensor like state.inv_scale), every slot's 1/scale copied into it as they are now."""
     M, C = x2.shape
     qt = torch.empty((C, _padded(M)), device=x2.device, dtype=SLOT_DTYPES[slot])
     q = torch.empty((M, C), device=x2.device, dtype=qt.dtype) if row_major else qt
-    _cast_transpose_into(x2, q, qt, state.scale[slot:], state.amax[slot:], row_major, qt.shape[1])
+    copy = (state.inv_scale, inv_scales) if inv_scales is not None else ()
+    _cast_transpose_into(x2, q, qt, state.scale[slot:], state.amax[slot:], row_major, qt.shape[1], copy=copy)
     return (q if row_major else None), qt
 
 
-def _cast_transpose_into(x2, q, qt, scale, amax, row_major, Mp, transposed=True):
+def _cast_transpose_into(x2, q, qt, scale, amax, row_major, Mp, transposed=True, copy=()):
     """cast_transpose_kernel: qt (C, Mp) if transposed and, if row_major, q (M, C) = x2 quantized with scale[0], amax
-    folded in."""
+    folded in; copy: (source, destination), two contiguous fp32 tensors of 16 elements, or none."""
     M, C = x2.shape
     bm, bc, warps = CAST_TILE[row_major]
-    launch(cast_transpose_kernel, (cdiv(Mp, bm), cdiv(C, bc)), (x2, q, qt, scale, amax, M, C, Mp, x2.stride(0)),
+    source, destination = copy or (None, None)
+    launch(cast_transpose_kernel, (cdiv(Mp, bm), cdiv(C, bc)),
+           (x2, q, qt, scale, amax, M, C, Mp, x2.stride(0), source, destination),
            dict(ROW_MAJOR=row_major, EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=bm, BLOCK_C=bc,
-                TRANSPOSED=transposed), warps)
+                TRANSPOSED=transposed, COPY=source.numel() if copy else 0), warps)
 
 
 def transpose_fp8(q, Mp, state):

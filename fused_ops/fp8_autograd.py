@@ -93,15 +93,15 @@ def _calibrated(run, state, slot, *args):
     return run(*args)
 
 
-def _quantized_rows(t, state, slot):
+def _quantized_rows(t, state, slot, inv_scales=None):
     """(t as rows (M, C) with a contiguous last dim, its FP8 copy, its FP8 transposed copy) with the slot's scale (on
-    the calibrating call: t's own)."""
+    the calibrating call: t's own); the 1/scales copied into inv_scales if given (see cast_transpose)."""
     t2 = t.reshape(-1, t.shape[-1])
     if t2.stride(1) != 1:
         t2 = t2.contiguous()
     if not state.calibrated:
         _set_current_scale(state, slot, t2)
-    return (t2, *cast_transpose(t2, state, slot, row_major=True))
+    return (t2, *cast_transpose(t2, state, slot, row_major=True, inv_scales=inv_scales))
 
 
 def _without_autocast(fn):
@@ -118,11 +118,15 @@ def _without_autocast(fn):
 @_without_autocast
 def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8, w_proj_inv):
     """(y (M, C), xᵀ in e4m3, hᵀ in e4m3, dh/dz, the 1/scales x and h were quantized with) for rows x (M, C)."""
-    x2, x8, xt8 = _quantized_rows(x, state, X)
+    # inv: the 1/scales x and h are quantized with, kept for the backward whatever updates come before it; copied by
+    # x's cast (the calibrating call sets H's scale after it: a copy of its own there)
+    inv = torch.empty_like(state.inv_scale) if state.calibrated else None
+    x2, x8, xt8 = _quantized_rows(x, state, X, inv)
     inv_x = state.inv_scale[X, :1]
     h8, ht8, saved = _calibrated(_first_linear, state, H, x8, w_fc8, (inv_x, w_fc_inv), b_fc, activation, state,
                                  x.dtype)
-    inv = state.inv_scale.clone()  # the scales x and h were quantized with, whatever updates come before backward
+    if inv is None:
+        inv = state.inv_scale.clone()
     y = torch._scaled_mm(h8, w_proj8.t(), scale_a=inv[H, :1], scale_b=w_proj_inv, bias=b_proj,
                          out_dtype=x.dtype, use_fast_accum=True)
     return y, xt8, ht8, saved, inv
