@@ -4,15 +4,16 @@ own (cuBLAS's FP8 GEMMs, the casts) would take in other forms. Hopper GPU.
 1. The MLP as bench_mlp.py times it (bias-free, fwd + bwd as one CUDA graph), replayed under torch.profiler: each
    kernel's median duration and the gap before it (the graph's launch gaps and tails).
 2. The backward's cuBLAS FP8 GEMMs (dW2, dx, dW1) as the product runs them, with fast accumulation, and with the
-   operands swapped (the transposed product: cuBLAS picks its tiles for the output's shape), rounds alternated.
-3. The x / grad_y cast (cast_transpose, row-major copy too) at other tiles and warps.
+   operands swapped (the transposed product: cuBLAS picks its tiles for the output's shape), rounds alternated, on
+   random FP8 operands.
+3. (--parts dx) SwiGLU's dx alone as a graph, in several forms: where cuBLAS's memset before it comes from.
+4. The x / grad_y cast (cast_transpose, row-major copy too) at other tiles and warps.
 
     PYTHONPATH=. python lab/fp8/graph_profile.py [--M 12288 --C 768 --rounds 3]
 """
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
 import statistics
@@ -73,7 +74,6 @@ def profile_mlp(M, C, activation):
 
 
 def gemms(M, C, gated, rounds):
-    d = setup(M, C, gated)
     H = 2048 if gated else 4 * C
     W = 2 * H if gated else H
     dev, one = "cuda", torch.ones((), device="cuda")
