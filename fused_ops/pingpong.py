@@ -291,7 +291,7 @@ if AVAILABLE:
         # part or tile (lab/fp8/round22_probe.py). A maximum does not depend on the order it is taken in.
         row_amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, acc_layout))
         # The scalars every tile uses, loaded once: a global load at each tile's epilogue stalls it until the value
-        # comes back from L1 or L2 (lab/fp8/ncu_stalls.py).
+        # comes back from L1 or L2 (lab/fp8/ncu_stalls.py; measured in lab/results/fp8_round23.txt).
         scale = 1.0
         if FP8_OUT:
             scale = gl.load(scale_ptr)
