@@ -165,7 +165,7 @@ if AVAILABLE:
         else:
             gates = _column_quarters(acc)
             ups = gates
-        if FP8_OUT:
+        if FP8_OUT and HAS_BIAS:
             rows_ok = gl.expand_dims(off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, gates[0].type.layout)) < M, 1)
         for p in gl.static_range(TN // PART):
             # parts alternate between two sets of staging buffers: the stores of the part before this
@@ -185,8 +185,12 @@ if AVAILABLE:
                 h = gate * up
             else:
                 h = gate
-            if FP8_OUT:  # (rows past M hold act(bias): zeroed, for the amax and hᵀ's padding; TMA clips h's stores)
-                h = gl.where(rows_ok, h, 0.0)
+            if FP8_OUT:
+                # Rows past M (x's rows there are TMA's zeros) hold act(bias): zeroed, for the amax and hᵀ's padding
+                # (TMA clips h's stores). Without a bias they hold act(0) = 0 already, for every activation here
+                # (gated: the up half's identity(0) or tanh(0) = 0), and the select is left out.
+                if HAS_BIAS:
+                    h = gl.where(rows_ok, h, 0.0)
                 row_amax = gl.maximum(row_amax, gl.convert_layout(gl.max(gl.abs(h), axis=1), row_amax.type.layout))
                 q = quantize(h, scale, out_desc.dtype, False)
                 q_bufs.index(q_base + p % 2).store(q)

@@ -136,3 +136,19 @@ def test_gated_special_values(act):
         assert_special_values_match(out[row], times(ga, ua), f"{act} h")
         assert_special_values_match(saved[row, :n], times(ua, gd), f"{act} dh/dgate")
         assert_special_values_match(saved[row, n:], times(ga, ud), f"{act} dh/dup")
+
+
+def test_every_activation_is_zero_at_zero():
+    """act(+0) = +0 for every plain kernel activation, and gate(+0) · up(+0) = +0 for every gated pair: the FP8
+    ping-pong forward relies on it to leave out its row mask when there is no bias (rows past M, TMA's zeros, must
+    give h = 0 for the amax and for hᵀ's zero padding; fused_ops/pingpong.py)."""
+    zero = torch.zeros(BLOCK, device=DEVICE)
+    for name in PLAIN:
+        out = evaluate(name, zero)[0]
+        assert (out == 0).all() and not torch.signbit(out).any(), name
+    for gate, up in GATED.values():
+        h = evaluate(gate, zero)[0] * evaluate(up, zero)[0]
+        assert (h == 0).all() and not torch.signbit(h).any(), (gate, up)
+    for name in ("gelu_16bit", "silu_and_grad"):  # the ping-pong epilogues' own
+        out = evaluate(name, zero)[0]
+        assert (out == 0).all() and not torch.signbit(out).any(), name

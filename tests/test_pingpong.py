@@ -406,6 +406,34 @@ def test_forward_fp8_output(act, programs, saturate, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("act", ["gelu", "relu2"])
+def test_forward_fp8_output_without_bias(act):
+    """Without a bias the FP8 forward has no row mask (rows past M give act(0) = 0 by themselves): at odd M, hᵀ's
+    columns from M to its padded width are zeros, hᵀ is h transposed bit for bit, the amax is the real rows', and h8
+    is within one FP8 step of torch's quantization of the 16-bit-output variant's h."""
+    E4M3 = torch.float8_e4m3fn
+    M, K, N, Mp = 1000 + 3, 384, 512, 1008
+    g = torch.Generator("cuda").manual_seed(3)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    x8, w8, inv = fp8_operands(x, w, E4M3, g)
+    scale, amax = torch.tensor([16.0], device="cuda"), torch.zeros(1, device="cuda")
+    h8, h8t = torch.empty(M, N, device="cuda", dtype=E4M3), torch.full((N, Mp), 1.0, device="cuda").to(E4M3)
+    saved = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    assert pingpong.linear_act_forward_fp8(x8, w8, inv, None, act, h8, h8t, saved, scale, amax)
+    h16, saved16 = torch.empty(M, N, device="cuda", dtype=torch.bfloat16), torch.empty_like(saved)
+    assert pingpong.linear_act_forward(x8, w8, None, act, "identity", False, True, h16, saved16, inv=inv)
+    assert torch.equal(h8t[:, :M].t().view(torch.uint8), h8.view(torch.uint8))
+    assert (h8t[:, M:].view(torch.uint8) == 0).all()
+    assert torch.equal(saved, saved16)
+    ref = (h16.double() * scale.item()).clamp(-448, 448).to(E4M3).double()
+    diff = (h8.double() - ref).abs()
+    assert (diff <= ref.abs() / 8 + 2 ** -9).all() and (diff == 0).float().mean() > 0.95
+    assert amax.item() == pytest.approx(h16.double().abs().max().item(), rel=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("bias_grad", [False, True])
 @pytest.mark.parametrize("programs", [None, 2])
 @pytest.mark.parametrize("saturate", [False, True])
