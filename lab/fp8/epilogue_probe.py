@@ -99,6 +99,15 @@ def alternated(rows, rounds, title, width=34):
         print(f"{k:{width}s} " + " ".join(f"{t:7.1f}" for t in v) + f"   median {sorted(v)[len(v) // 2]:7.1f}")
 
 
+def arguments(rounds=3):
+    """The probes' command line: the MLP's rows and width (GPT-2 small's by default) and the rounds to alternate."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--M", type=int, default=12288)
+    p.add_argument("--C", type=int, default=768)
+    p.add_argument("--rounds", type=int, default=rounds)
+    return p
+
+
 def setup(M, C, gated, dev="cuda", dt=torch.bfloat16):
     """The FP8 MLP's operands at M x C (GELU H = 4C, SwiGLU H = 2048), their scales set, the weights' FP8 copies,
     and the outputs' buffers (round22_probe.py uses them too)."""
@@ -127,10 +136,7 @@ def setup(M, C, gated, dev="cuda", dt=torch.bfloat16):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--M", type=int, default=12288)
-    p.add_argument("--C", type=int, default=768)
-    p.add_argument("--rounds", type=int, default=3)
+    p = arguments()
     p.add_argument("--only", help="run just this row a few times (for Nsight Compute), no timing")
     a = p.parse_args()
     d = setup(a.M, a.C, False)

@@ -12,7 +12,6 @@ own (cuBLAS's FP8 GEMMs, the casts) would take in other forms. Hopper GPU.
     PYTHONPATH=. python lab/fp8/graph_profile.py [--M 12288 --C 768 --rounds 3]
 """
 
-import argparse
 import collections
 import json
 import os
@@ -24,7 +23,7 @@ import torch
 import bench_mlp
 from fused_ops import fp8
 from model import MLP, GPTConfig
-from lab.fp8.epilogue_probe import alternated, setup
+from lab.fp8.epilogue_probe import alternated, arguments, setup
 
 
 def kernel_table(replay, replays=20):
@@ -138,10 +137,7 @@ def casts(M, C, rounds):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--M", type=int, default=12288)
-    p.add_argument("--C", type=int, default=768)
-    p.add_argument("--rounds", type=int, default=3)
+    p = arguments()
     p.add_argument("--parts", default="profile,gemms,casts")
     a = p.parse_args()
     parts = a.parts.split(",")

@@ -6,12 +6,11 @@ refilled at finer steps), each kernel against the product, rounds alternated, ou
     PYTHONPATH=. python lab/fp8/ring_probe.py [--rounds 5]
 """
 
-import argparse
 
 import torch
 
 from fused_ops import pingpong
-from lab.fp8.epilogue_probe import alternated, setup, variant
+from lab.fp8.epilogue_probe import alternated, arguments, setup, variant
 from lab.fp8.round22_probe import rows_for
 
 
@@ -36,10 +35,7 @@ VARIANTS = {  # name -> (edits, which kernel it changes)
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--M", type=int, default=12288)
-    p.add_argument("--C", type=int, default=768)
-    p.add_argument("--rounds", type=int, default=5)
+    p = arguments(5)
     a = p.parse_args()
     for gated in (False, True):
         d = setup(a.M, a.C, gated)

@@ -9,7 +9,6 @@ each), copied to fused_ops/_probe_before.py by whoever runs this (it is not kept
     PYTHONPATH=. python lab/fp8/round22_probe.py [--rounds 3]
 """
 
-import argparse
 import importlib
 import pathlib
 
@@ -20,7 +19,7 @@ import triton.language as tl
 from fused_ops import fp8, pingpong
 from fused_ops.fp8_quantize import quantize
 from lab.fp8 import epilogue_probe
-from lab.fp8.epilogue_probe import alternated, setup
+from lab.fp8.epilogue_probe import alternated, arguments, setup
 
 
 @triton.jit
@@ -104,10 +103,7 @@ def cast_rows(d, sms):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--M", type=int, default=12288)
-    p.add_argument("--C", type=int, default=768)
-    p.add_argument("--rounds", type=int, default=3)
+    p = arguments()
     p.add_argument("--dgrad", action="store_true", help="the dgrad variants only (VARIANTS)")
     p.add_argument("--before", default="fused_ops._probe_before", help="the module the product is compared with")
     a = p.parse_args()

@@ -6,13 +6,11 @@ inputs, rounds alternated; the outputs must be the same bit for bit. Hopper GPU.
     PYTHONPATH=. python lab/fp8/streams_probe.py [--rounds 5]
 """
 
-import argparse
-
 import torch
 
 from fused_ops import fp8_autograd as fa
 from fused_ops.fp8 import GRAD_Y, GRAD_Z, H, X, update_scales
-from lab.fp8.round22_probe import setup
+from lab.fp8.epilogue_probe import arguments, setup
 
 
 def backward_two_streams(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, activation,
@@ -39,10 +37,7 @@ def backward_two_streams(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_p
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--M", type=int, default=12288)
-    p.add_argument("--C", type=int, default=768)
-    p.add_argument("--rounds", type=int, default=5)
+    p = arguments(5)
     a = p.parse_args()
     side = torch.cuda.Stream()
     for gated in (False, True):
