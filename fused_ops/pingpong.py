@@ -161,8 +161,8 @@ if AVAILABLE:
         PER_PART: gl.constexpr = (2 if FP8_OUT else 3) if GATE_UP_B else 2
         AUX: gl.constexpr = 0 if FP8_OUT and GATE_UP_B else 1
         # The gated FP8 forward stages dh/dgate and dh/dup before h is quantized: up and gate' then die first and ptxas
-        # spills nothing (36 bytes the other way round, 1.5 µs slower); the GELU one was 1 µs slower so
-        # (lab/results/fp8_round23.txt).
+        # spills nothing (36 bytes the other way round, 1.5 µs slower); the GELU forward was 1 µs slower in that order
+        # and keeps its own (lab/results/fp8_round23.txt).
         DH_FIRST: gl.constexpr = FP8_OUT and GATE_UP_B
         STORES: gl.constexpr = (2 + PER_PART - AUX) if FP8_OUT else 1 + (PER_PART - 1) * SAVE  # one part's TMA stores
         if HAS_BIAS:  # gated: acc column c is output off_n + c % TN of the gate (c < TN) or up half (N further)
