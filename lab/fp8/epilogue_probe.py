@@ -109,8 +109,8 @@ def arguments(rounds=3):
 
 
 def setup(M, C, gated, dev="cuda", dt=torch.bfloat16):
-    """The FP8 MLP's operands at M x C (GELU H = 4C, SwiGLU H = 2048), their scales set, the weights' FP8 copies,
-    and the outputs' buffers (round22_probe.py uses them too)."""
+    """The FP8 MLP's operands at M x C (GELU H = 4C, SwiGLU H = 2048), their scales set, the weights' FP8 copies
+    (both layouts), x's and grad_y's (both layouts), and the outputs' buffers (the other FP8 probes use them too)."""
     H = 2048 if gated else 4 * C
     torch.manual_seed(0)
     w1 = torch.randn(2 * H if gated else H, C, device=dev, dtype=dt) / C ** 0.5
@@ -122,12 +122,13 @@ def setup(M, C, gated, dev="cuda", dt=torch.bfloat16):
                     (fp8.GRAD_Z, torch.full((1,), 1e-3, device=dev))):
         fp8._set_current_scale(state, slot, t)
     w18, w1t8, w1inv, w28, w2t8, w2inv = state.weights(w1, w2)
-    x8, _ = fp8.cast_transpose(x, state, fp8.X, row_major=True)
-    gy8, _ = fp8.cast_transpose(gy, state, fp8.GRAD_Y, row_major=True)
+    x8, xt8 = fp8.cast_transpose(x, state, fp8.X, row_major=True)
+    gy8, gyt8 = fp8.cast_transpose(gy, state, fp8.GRAD_Y, row_major=True)
     inv_x, inv_gy = state.inv_scale[fp8.X, :1], state.inv_scale[fp8.GRAD_Y, :1]
     Mp = -(-M // 16) * 16
     W = 2 * H if gated else H
-    return dict(x=x, gy=gy, state=state, x8=x8, gy8=gy8, w18=w18, w2t8=w2t8, inv1=(inv_x, w1inv),
+    return dict(x=x, gy=gy, w1=w1, w2=w2, state=state, x8=x8, xt8=xt8, gy8=gy8, gyt8=gyt8, w18=w18, w1t8=w1t8,
+                w28=w28, w2t8=w2t8, inv1=(inv_x, w1inv),
                 inv2=(inv_gy, w2inv), h8=torch.empty(M, H, device=dev, dtype=fp8.E4M3),
                 h8t=torch.empty(H, Mp, device=dev, dtype=fp8.E4M3),
                 gz8=torch.empty(M, W, device=dev, dtype=fp8.E5M2), gz8t=torch.empty(W, Mp, device=dev, dtype=fp8.E5M2),

@@ -17,6 +17,7 @@ from fused_ops import fp8, pingpong
 from fused_ops.dgrad import linear_act_dgrad
 from fused_ops.fp8_autograd import _first_linear, _second_dgrad
 from fused_ops.linear_act import linear_act_forward
+from lab.fp8.epilogue_probe import setup
 from model import MLP, GPTConfig
 
 
@@ -27,18 +28,10 @@ def bench(fn):
 def pieces(M, C, activation, dev="cuda", dt=torch.bfloat16):
     gated = activation == "swiglu"
     H = 2048 if gated else 4 * C
-    torch.manual_seed(0)
-    w1 = torch.randn(2 * H if gated else H, C, device=dev, dtype=dt) / C ** 0.5
-    w2 = torch.randn(C, H, device=dev, dtype=dt) / H ** 0.5
-    x = torch.randn(M, C, device=dev, dtype=dt)
-    gy = torch.randn(M, C, device=dev, dtype=dt) * 1e-3
-    state = fp8.FP8State().to(dev)
-    for slot, t in ((fp8.X, x), (fp8.GRAD_Y, gy)):
-        fp8._set_current_scale(state, slot, t)
-    w18, w1t8, w1inv, w28, w2t8, w2inv = state.weights(w1, w2)
-    x8, xt8 = fp8.cast_transpose(x, state, fp8.X, row_major=True)
-    gy8, gyt8 = fp8.cast_transpose(gy, state, fp8.GRAD_Y, row_major=True)
-    inv_x, inv_gy = state.inv_scale[fp8.X, :1], state.inv_scale[fp8.GRAD_Y, :1]
+    d = setup(M, C, gated, dev, dt)  # (H's and grad_z's scales are set below, from the bf16 kernels' outputs)
+    x, gy, w1, w2, state, x8, xt8, gy8, gyt8, w18, w1t8, w28, w2t8 = (
+        d[k] for k in ("x", "gy", "w1", "w2", "state", "x8", "xt8", "gy8", "gyt8", "w18", "w1t8", "w28", "w2t8"))
+    (inv_x, w1inv), (inv_gy, w2inv) = d["inv1"], d["inv2"]
     h, saved = linear_act_forward(x, w1, None, activation)
     fp8._set_current_scale(state, fp8.H, h)
     h8, ht8, saved8 = _first_linear(x8, w18, (inv_x, w1inv), None, activation, state, dt)
