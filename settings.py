@@ -40,12 +40,6 @@ def load(defaults, argv, key_types):
     return cfg, ckpt
 
 
-def effective_compile(compile, world):
-    """What to compile with: CUDA graphs were only tried on one GPU, so under DDP a mode that adds them becomes
-    plain torch.compile."""
-    return True if world > 1 and compile in CUDA_GRAPH_MODES else compile
-
-
 def fix_architecture(cfg, model_args, unchanged, why, keys=ARCH_KEYS):
     """Set cfg's architecture keys from the weights' model_args, warning about any value given otherwise."""
     for k in keys:

@@ -157,7 +157,7 @@ def train(cfg, ckpt, argv, device, rank, world):
         progress = checkpoint.Progress()
         if ckpt is not None:  # the optimizer, the iteration and every process's random streams continue
             progress = checkpoint.resume(ckpt, cfg, optimizer, scaler, batches, rank, world, device_type)
-        model, eval_model = compile_model(raw_model, cfg, world, device_type, master)
+        model = compile_model(raw_model, cfg, world, device_type)
 
     log = RunLog(cfg["out_dir"], master, progress.last_saved, cfg)
     log.write({"type": "run", "iter": progress.iter_num, "resumed": ckpt is not None, "world_size": world,
@@ -196,7 +196,7 @@ def train(cfg, ckpt, argv, device, rank, world):
 
             if eval_due(progress, cfg):
                 t0 = time.perf_counter()
-                losses = estimate_loss(eval_model, batches, cfg, autocast, device, rank, world)
+                losses = estimate_loss(model, batches, cfg, autocast, device, rank, world)
                 startup.eval(time.perf_counter() - t0)
                 if not all(map(math.isfinite, losses.values())):
                     raise diverged(cfg, progress, "val/train loss", losses, lr, dtype)
@@ -339,18 +339,17 @@ def check_same_vocabulary(ckpt, meta, cfg, data_dir):
                       "train on this one in a new out_dir")
 
 
-def compile_model(raw_model, cfg, world, device_type, master):
-    """(the model a training step runs: compiled as asked and DDP-wrapped, the model evaluation runs)."""
-    compile_as = settings.effective_compile(cfg["compile"], world)
-    if compile_as != cfg["compile"]:
-        if master:
-            print(f"note: compile={cfg['compile']!r} adds CUDA graphs, not tried with DDP here: using plain torch.compile")
-        cfg["compile"] = compile_as
-    mode = None if cfg["compile"] in (True, "default") else cfg["compile"]
-    model = torch.compile(raw_model, mode=mode) if cfg["compile"] else raw_model
+def compile_model(raw_model, cfg, world, device_type):
+    """The model a training step and evaluation run: DDP-wrapped under torchrun, then compiled as asked. DDP goes inside torch.compile, so that compile splits the graph at DDP's gradient buckets and each
+    bucket's all-reduce runs while the backward computes the next (docs/performance.md). No buffer broadcast: the
+    only buffers are the FP8 MLP's scales, which each process keeps for itself (docs/numerics.md)."""
+    model = raw_model
     if world > 1:
-        return DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None), model
-    return model, model
+        model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
+                    broadcast_buffers=False, gradient_as_bucket_view=True)
+    if cfg["compile"]:
+        model = torch.compile(model, mode=None if cfg["compile"] in (True, "default") else cfg["compile"])
+    return model
 
 
 # -----------------------------------------------------------------------------

@@ -31,8 +31,8 @@ scale before the tensor's amax exists: the scale comes from the largest amax of 
 micro-steps (FP8State), and each kernel folds its tiles' amax into the current one with an atomic max.
 After each backward one tiny kernel moves the current amaxes into the history and computes the next
 scales, on the GPU without a host sync (under torch.compile nothing else is host state either, so CUDA graphs
-capture it: fp8_autograd.py). Under torch.distributed the amaxes are first reduced (MAX)
-over the processes, so that all quantize with the same scales. Values past the range saturate to
+capture it: fp8_autograd.py). Under DDP each process keeps its own scales: no collective runs inside the MLP
+(docs/numerics.md says why that is exact enough). Values past the range saturate to
 ±fp8_max (the price of a delayed scale when a tensor grows suddenly); the history's max keeps that rare.
 Non-finite amaxes (an overflowed fp16 step, a NaN) are left out of the max.
 The first call of each MLP has no history: it calibrates with current scaling, x's and grad_y's scales from

@@ -20,7 +20,6 @@ in every mode, reduce-overhead included (which it needs to be fast: results/fp8_
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .activations import kernel_activations
@@ -149,8 +148,6 @@ def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_p
     grad_x = torch._scaled_mm(gz8, w_fc_t8.t(), scale_a=inv_gz, scale_b=w_fc_inv, out_dtype=gy.dtype)
     grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_proj.dtype) \
         if w_fc_grad else None
-    if _distributed():
-        dist.all_reduce(state.amax, op=dist.ReduceOp.MAX)  # one set of scales for every process
     update_scales(state)
     state.calibrated = True
     grad_b_fc = grad_b_fc.to(gy.dtype) if bias_grad else None
@@ -251,12 +248,8 @@ def fp8_mlp(x, c_fc, c_proj, activation, state):
 
 def fp8_graphs_usable(x, state):
     """Whether graphs.py may capture the FP8 MLP: where graphs_usable says so, once the scales are calibrated (the
-    calibrating call runs other kernels) and in one process (the scales' all-reduce is not captured)."""
-    return graphs_usable(x) and state.calibrated and not _distributed()
-
-
-def _distributed():
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    calibrating call runs other kernels). Under DDP too: each process keeps its own scales, no collective inside."""
+    return graphs_usable(x) and state.calibrated
 
 
 def fp8_layers_as_function(c_fc, c_proj, activation, norm, state):

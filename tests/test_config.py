@@ -140,13 +140,3 @@ def test_compile_takes_booleans_or_a_mode():
     settings.check(parse("--compile=reduce-overhead"))
     with pytest.raises(ConfigError, match="config key 'compile' must be True, False or one of default, reduce-overhead"):
         settings.check(parse("--compile=fast"))
-
-
-def test_ddp_compiles_without_cuda_graphs():
-    """CUDA graphs were only tried on one GPU: under DDP (world > 1) the modes that add them become plain
-    torch.compile; everything else is kept as asked."""
-    for mode in ("reduce-overhead", "max-autotune"):
-        assert settings.effective_compile(mode, 1) == mode
-        assert settings.effective_compile(mode, 2) is True
-    for setting in (False, True, "default", "max-autotune-no-cudagraphs"):
-        assert settings.effective_compile(setting, 4) == setting
