@@ -7,6 +7,7 @@ how train.py reads a step's loss without stalling the GPU.
 import contextlib
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import errors
 import model
@@ -76,6 +77,30 @@ def check_interpreter_dtype(mlp, device, dtype, setting=None):
             raise errors.UsageError(f"{setting or f'--mlp={mlp}'} with --dtype=bfloat16 on the CPU runs the kernels "
                                     "through Triton's interpreter, whose bf16 matmuls are wrong: use --dtype=float16 "
                                     "or float32")
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the torch.compile modes that add CUDA graphs
+
+
+def wrap_model(model, compile, world, device_type):
+    """The model a training step runs: DDP-wrapped when world > 1, then compiled as asked (compile: False, True or a
+    torch.compile mode). DDP goes inside torch.compile, so that compile splits the graph at DDP's gradient buckets
+    and each bucket's all-reduce runs while the backward computes the next (docs/performance.md); CUDA-graph modes
+    then graph each piece. No buffer broadcast: the only buffers are the FP8 MLP's scales, which each process keeps
+    for itself (docs/numerics.md)."""
+    if world > 1:
+        model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
+                    broadcast_buffers=False, gradient_as_bucket_view=True)
+    if compile:
+        model = torch.compile(model, mode=None if compile in (True, "default") else compile)
+    return model
+
+
+def new_step(compile):
+    """Under CUDA graphs a new run of the model may overwrite the last one's outputs: say so before each forward
+    (the losses read from a run are used before the next one starts)."""
+    if compile in CUDA_GRAPH_MODES:
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def to_host(t):

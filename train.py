@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import checkpoint
@@ -157,7 +156,7 @@ def train(cfg, ckpt, argv, device, rank, world):
         progress = checkpoint.Progress()
         if ckpt is not None:  # the optimizer, the iteration and every process's random streams continue
             progress = checkpoint.resume(ckpt, cfg, optimizer, scaler, batches, rank, world, device_type)
-        model = compile_model(raw_model, cfg, world, device_type)
+        model = runtime.wrap_model(raw_model, cfg["compile"], world, device_type)
 
     log = RunLog(cfg["out_dir"], master, progress.last_saved, cfg)
     log.write({"type": "run", "iter": progress.iter_num, "resumed": ckpt is not None, "world_size": world,
@@ -339,28 +338,8 @@ def check_same_vocabulary(ckpt, meta, cfg, data_dir):
                       "train on this one in a new out_dir")
 
 
-def compile_model(raw_model, cfg, world, device_type):
-    """The model a training step and evaluation run: DDP-wrapped under torchrun, then compiled as asked. DDP goes inside torch.compile, so that compile splits the graph at DDP's gradient buckets and each
-    bucket's all-reduce runs while the backward computes the next (docs/performance.md). No buffer broadcast: the
-    only buffers are the FP8 MLP's scales, which each process keeps for itself (docs/numerics.md)."""
-    model = raw_model
-    if world > 1:
-        model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
-                    broadcast_buffers=False, gradient_as_bucket_view=True)
-    if cfg["compile"]:
-        model = torch.compile(model, mode=None if cfg["compile"] in (True, "default") else cfg["compile"])
-    return model
-
-
 # -----------------------------------------------------------------------------
 # the steps of the loop
-
-def new_step(cfg):
-    """Under CUDA graphs a new run of the model may overwrite the last one's outputs: say so before each forward
-    (the losses read from a run are used before the next one starts)."""
-    if cfg["compile"] in settings.CUDA_GRAPH_MODES:
-        torch.compiler.cudagraph_mark_step_begin()
-
 
 def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
     """One optimizer step of `accum` micro-steps (gradients synced across processes on the last only); returns
@@ -370,7 +349,7 @@ def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
     for micro in range(accum):
         last = micro == accum - 1
         with model.no_sync() if world > 1 and not last else contextlib.nullcontext():
-            new_step(cfg)
+            runtime.new_step(cfg["compile"])
             x, y = batches.next()
             with autocast:
                 loss = model(x, y)[1] / accum
@@ -417,7 +396,7 @@ def estimate_loss(model, batches, cfg, autocast, device, rank, world):
         gen = torch.Generator().manual_seed(cfg["seed"] + 7 + rank)
         for _ in range(cfg["eval_iters"]):
             x, y = batches.get(split, gen)
-            new_step(cfg)
+            runtime.new_step(cfg["compile"])
             with autocast:
                 out[i] += model(x, y)[1].float() / cfg["eval_iters"]
     model.train()

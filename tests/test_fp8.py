@@ -411,7 +411,7 @@ def test_config_fp8_is_opt_in_and_checked():
         with pytest.raises(ValueError, match="'fp8'"):
             model.GPTConfig(fp8=True, **bad)
     import train
-    for mode in (True, *settings.CUDA_GRAPH_MODES):  # (CUDA graphs too: the compiled operators keep no host state)
+    for mode in (True, *runtime.CUDA_GRAPH_MODES):  # (CUDA graphs too: the compiled operators keep no host state)
         settings.check({**train.DEFAULTS, "fp8": True, "mlp": "fused", "compile": mode})
 
 
