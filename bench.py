@@ -23,6 +23,12 @@ rounds of --steps steps, reversing their order every other round, and prints eac
 
     python bench.py configs/gpt2_124m.py --compile=False --rounds=4 --steps=10
 
+Several GPUs: --gpus=1,2,4 runs the same benchmark under torchrun on 1, 2 and 4 GPUs of this host, one after
+another, each GPU with the same micro-batch (DDP inside torch.compile, as train.py runs it), and prints tokens/s per
+GPU and its share of the 1-GPU rate:
+
+    python bench.py configs/gpt2_124m.py --gpus=1,2,4 --mlps=eager,fused,fp8 --compile=reduce-overhead --rounds=2
+
 --mlp_widths times the MLP alone instead, with bench_mlp.py's functions: for each width C and activation,
 eager, fused and torch.compile (of eager), forward and forward+backward ms and % of the matmul floor (the
 MLP's matmul FLOPs at the bf16 matmul peak measured in the same run; 100% = at the floor); on a GPU also
@@ -41,7 +47,10 @@ import statistics
 import sys
 import time
 
+import subprocess
+
 import torch
+import torch.distributed as dist
 import triton
 from tqdm import tqdm
 
@@ -74,6 +83,9 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=1,
                     help="> 1: build every variant first, then time them in this many rounds, alternating their order")
     ap.add_argument("--out", default=None, help="output path without extension")
+    ap.add_argument("--gpus", default=None,
+                    help="e.g. 1,2,4: run under torchrun on that many GPUs of this host, one count after another "
+                         "(with --device=cpu: that many processes, over Gloo)")
     ap.add_argument("--mlp_widths", default=None, help="time the MLP alone at these widths C, e.g. 768,1024,2048,4096")
     ap.add_argument("--mlp_tokens", default=None, help="tokens M per width (default: bench_mlp.DEFAULT_TOKENS)")
     ap.add_argument("--mlp_activations", default="gelu,swiglu")
@@ -81,6 +93,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if not args.config and not args.mlp_widths:
         ap.error("give a config file, or --mlp_widths")
+    if args.gpus and (args.mlp_widths or not all(n.isdigit() and int(n) > 0 for n in args.gpus.split(","))):
+        raise errors.UsageError(f"--gpus={args.gpus}: expected GPU counts such as 1,2,4, with a config file")
+    if args.gpus and args.device.startswith("cuda") and max(map(int, args.gpus.split(","))) > torch.cuda.device_count():
+        raise errors.UsageError(f"--gpus={args.gpus}: this host has {torch.cuda.device_count()} GPU(s)")
     if args.config and not os.path.isfile(args.config):
         raise errors.UsageError(f"config file not found: {args.config} (e.g. configs/gpt2_124m.py)")
     errors.check_device(args.device)
@@ -137,18 +153,21 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     model.load_state_dict(state)
     if mlp == "torchao":
         torchao_float8_mlps(model)
-    opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), args.device.split(":")[0])
-    step_model = torch.compile(model, mode=None if compiled is True else compiled) if compiled else model
     device_type = args.device.split(":")[0]
+    opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device_type)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    step_model = runtime.wrap_model(model, compiled, world, device_type)  # as train.py: DDP inside compile
     autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
     def step(i):
-        for x, y in batches[i % len(batches)]:
-            if compiled:  # a new run for CUDA graphs (reduce-overhead): the last one's outputs may be overwritten
-                torch.compiler.cudagraph_mark_step_begin()
-            with autocast:
-                _, loss = step_model(x, y)
-            (loss / len(batches[0])).backward()
+        micro = batches[i % len(batches)]
+        for j, (x, y) in enumerate(micro):
+            # gradients are all-reduced on the last micro-step only (train.py's accumulation)
+            with step_model.no_sync() if world > 1 and j < len(micro) - 1 else contextlib.nullcontext():
+                runtime.new_step(compiled)
+                with autocast:
+                    _, loss = step_model(x, y)
+                (loss / len(micro)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -264,8 +283,61 @@ def make_batches(model_args, batch_size, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    with bench_mlp.backward_thread(args):
-        return run(args)
+    if args.gpus:
+        return several_gpus(args, sys.argv[1:] if argv is None else argv)
+    distributed = "WORLD_SIZE" in os.environ  # launched by torchrun (several_gpus)
+    if distributed:
+        cuda = args.device.startswith("cuda")
+        dist.init_process_group("nccl" if cuda else "gloo")
+        if cuda:
+            args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(args.device)
+    try:
+        with bench_mlp.backward_thread(args):
+            return run(args)
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+def several_gpus(args, argv):
+    """--gpus: the benchmark under torchrun on each GPU count in turn (same per-GPU micro-batch), then one table of
+    tokens/s per GPU, each count's against the first's (its spread: the per-round medians' range)."""
+    counts = [int(n) for n in args.gpus.split(",")]
+    out = args.out or os.path.join("results", "bench_" + os.path.splitext(os.path.basename(args.config))[0] + "_gpus")
+    runs, rest, skip = {}, [], False
+    for a in argv:  # the same arguments, less --gpus and --out (given as --gpus=N or --gpus N)
+        if not skip and not a.startswith(("--gpus", "--out")):
+            rest.append(a)
+        skip = a in ("--gpus", "--out")
+    for n in counts:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__,
+               *rest, f"--out={out}_{n}"]
+        print(f"--- {n} GPU(s): {' '.join(cmd[1:])}", flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            raise errors.RunError(f"the {n}-GPU run failed (its output is above)")
+        with open(f"{out}_{n}.json") as f:
+            runs[n] = json.load(f)["rows"]
+    rows = []
+    for i, r in enumerate(runs[counts[0]]):
+        for n in counts:
+            row = runs[n][i]
+            spread = [row["tokens_per_s"] * row["ms_per_step"] / m for m in (row["round_ms"] or [row["ms_per_step"]])]
+            rows.append({"mlp": r["mlp"], "compile": r["compile"], "gpus": n, "ms_per_step": row["ms_per_step"],
+                         "tokens_per_s_per_gpu": row["tokens_per_s"], "per_gpu_min": min(spread),
+                         "per_gpu_max": max(spread), "first_losses": row["first_losses"], "vs_first": row["tokens_per_s"] / r["tokens_per_s"],
+                         # against eager in its fastest mode on as many GPUs
+                         "vs_eager": row["tokens_per_s"] / max(
+                             (e["tokens_per_s"] for e in runs[n] if e["mlp"] == "eager"), default=float("nan"))})
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    write(rows, {"device": device, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                 "gpus": counts, "argv": argv}, out)
+    print(f"\n{device}  torch {torch.__version__}  tokens/s per GPU (range over rounds)")
+    print(f"{'variant':<26}{'GPUs':>5}{'ms/step':>9}{'tok/s/GPU':>11}{'range':>19}{'vs 1st':>8}{'vs eager':>9}")
+    for r in rows:
+        print(f"{label(r):<26}{r['gpus']:>5}{r['ms_per_step']:9.1f}{r['tokens_per_s_per_gpu']:11,.0f}"
+              f"{r['per_gpu_min']:10,.0f}-{r['per_gpu_max']:<8,.0f}{r['vs_first']:7.1%}{r['vs_eager']:8.2f}x")
+    return rows
 
 
 def run(args):
@@ -282,8 +354,10 @@ def run(args):
         rows = run_interleaved(model_args, state, variants, batches, args, dtype)
     else:
         rows = [run_variant(model_args, state, mlp, compiled, batches, args, dtype)
-                for mlp, compiled in tqdm(variants, desc="variants")]
+                for mlp, compiled in tqdm(variants, desc="variants", disable=dist.is_initialized() and dist.get_rank() > 0)]
 
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return rows  # (rank 0 writes and prints)
     name = os.path.splitext(os.path.basename(args.config))[0] + (f"_{args.activation}" if args.activation else "")
     out = args.out or os.path.join("results", f"bench_{name}")
     env = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",

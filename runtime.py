@@ -5,6 +5,7 @@ how train.py reads a step's loss without stalling the GPU.
 """
 
 import contextlib
+import inspect
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -89,8 +90,10 @@ def wrap_model(model, compile, world, device_type):
     then graph each piece. No buffer broadcast: the only buffers are the FP8 MLP's scales, which each process keeps
     for itself (docs/numerics.md)."""
     if world > 1:
+        # (torch 2.13 renamed broadcast_buffers; a sync at start-up is harmless: every process starts uncalibrated)
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
-                    broadcast_buffers=False, gradient_as_bucket_view=True)
+                    gradient_as_bucket_view=True, **{no_sync: False})
     if compile:
         model = torch.compile(model, mode=None if compile in (True, "default") else compile)
     return model

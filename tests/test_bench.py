@@ -33,6 +33,24 @@ def test_bench_runs_and_paths_agree(tmp_path):
     assert saved["env"]["model"]["n_embd"] == 32 and len(saved["rows"]) == 2
 
 
+def test_bench_several_processes_match_one(tmp_path):
+    """--gpus=1,2 on the CPU: bench.py under torchrun (Gloo), DDP inside the model's wrapper as train.py runs it. Each
+    process sees the same batches from the same weights, so the averaged gradient is one process's and the losses of
+    the first steps are the 1-process run's; the table gives tokens/s per process for both counts."""
+    cfg = tmp_path / "tiny.py"
+    cfg.write_text("n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 16\nbatch_size = 2\ndataset = 'shakespeare_char'\n")
+    out = str(tmp_path / "gpus")
+    rows = bench.main([str(cfg), "--device=cpu", "--dtype=float32", "--mlps=eager", "--compile=False", "--warmup=3",
+                       "--steps=2", "--grad_accum=2", "--gpus=1,2", f"--out={out}"])
+    assert [(r["mlp"], r["gpus"]) for r in rows] == [("eager", 1), ("eager", 2)]
+    one, two = rows
+    assert len(one["first_losses"]) == 3
+    assert two["first_losses"] == pytest.approx(one["first_losses"], rel=1e-6)
+    assert all(r["tokens_per_s_per_gpu"] > 0 and r["per_gpu_min"] <= r["tokens_per_s_per_gpu"] <= r["per_gpu_max"]
+               for r in rows)
+    assert one["vs_first"] == 1.0 and os.path.getsize(out + ".json") > 0
+
+
 def test_bench_rounds_interleave_the_variants(tmp_path, monkeypatch):
     """--rounds: every variant built first, then timed round by round in alternating order."""
     cfg = tmp_path / "tiny.py"
