@@ -83,6 +83,7 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=1,
                     help="> 1: build every variant first, then time them in this many rounds, alternating their order")
     ap.add_argument("--out", default=None, help="output path without extension")
+    ap.add_argument("--bucket_mb", type=float, default=None, help="under torchrun: DDP's gradient bucket size (MB)")
     ap.add_argument("--gpus", default=None,
                     help="e.g. 1,2,4: run under torchrun on that many GPUs of this host, one count after another "
                          "(with --device=cpu: that many processes, over Gloo)")
@@ -156,7 +157,7 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     device_type = args.device.split(":")[0]
     opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device_type)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    step_model = runtime.wrap_model(model, compiled, world, device_type)  # as train.py: DDP inside compile
+    step_model = runtime.wrap_model(model, compiled, world, device_type, args.bucket_mb)  # as train.py
     autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
 
     def step(i):

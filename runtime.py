@@ -83,17 +83,18 @@ def check_interpreter_dtype(mlp, device, dtype, setting=None):
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the torch.compile modes that add CUDA graphs
 
 
-def wrap_model(model, compile, world, device_type):
+def wrap_model(model, compile, world, device_type, bucket_cap_mb=None):
     """The model a training step runs: DDP-wrapped when world > 1, then compiled as asked (compile: False, True or a
     torch.compile mode). DDP goes inside torch.compile, so that compile splits the graph at DDP's gradient buckets
     and each bucket's all-reduce runs while the backward computes the next (docs/performance.md); CUDA-graph modes
     then graph each piece. No buffer broadcast: the only buffers are the FP8 MLP's scales, which each process keeps
-    for itself (docs/numerics.md)."""
+    for itself (docs/numerics.md). bucket_cap_mb: DDP's gradient bucket size (None: its default, 25 MB)."""
     if world > 1:
         # (torch 2.13 renamed broadcast_buffers; a sync at start-up is harmless: every process starts uncalibrated)
         no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
-                    gradient_as_bucket_view=True, **{no_sync: False})
+                    gradient_as_bucket_view=True, **{no_sync: False},
+                    **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}))
     if compile:
         model = torch.compile(model, mode=None if compile in (True, "default") else compile)
     return model
