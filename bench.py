@@ -83,7 +83,7 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=1,
                     help="> 1: build every variant first, then time them in this many rounds, alternating their order")
     ap.add_argument("--out", default=None, help="output path without extension")
-    ap.add_argument("--bucket_mb", type=float, default=None, help="under torchrun: DDP's gradient bucket size (MB)")
+    ap.add_argument("--bucket_mb", type=float, default=runtime.BUCKET_MB, help="under torchrun: DDP's gradient bucket size")
     ap.add_argument("--gpus", default=None,
                     help="e.g. 1,2,4: run under torchrun on that many GPUs of this host, one count after another "
                          "(with --device=cpu: that many processes, over Gloo)")
@@ -162,6 +162,7 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
 
     def step(i):
         micro = batches[i % len(batches)]
+        runtime.zero_grads(model, opt, compiled)
         for j, (x, y) in enumerate(micro):
             # gradients are all-reduced on the last micro-step only (train.py's accumulation)
             with step_model.no_sync() if world > 1 and j < len(micro) - 1 else contextlib.nullcontext():
@@ -170,7 +171,6 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
                     _, loss = step_model(x, y)
                 (loss / len(micro)).backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
         return loss
 
     return model, step

@@ -83,18 +83,20 @@ def check_interpreter_dtype(mlp, device, dtype, setting=None):
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the torch.compile modes that add CUDA graphs
 
 
-def wrap_model(model, compile, world, device_type, bucket_cap_mb=None):
+BUCKET_MB = 100  # DDP's gradient buckets: GPT-2 124M on 4 H100s ran faster with 100 MB than DDP's 25 (fewer graph pieces)
+
+
+def wrap_model(model, compile, world, device_type, bucket_cap_mb=BUCKET_MB):
     """The model a training step runs: DDP-wrapped when world > 1, then compiled as asked (compile: False, True or a
     torch.compile mode). DDP goes inside torch.compile, so that compile splits the graph at DDP's gradient buckets
     and each bucket's all-reduce runs while the backward computes the next (docs/performance.md); CUDA-graph modes
     then graph each piece. No buffer broadcast: the only buffers are the FP8 MLP's scales, which each process keeps
-    for itself (docs/numerics.md). bucket_cap_mb: DDP's gradient bucket size (None: its default, 25 MB)."""
+    for itself (docs/numerics.md). bucket_cap_mb: DDP's gradient bucket size (docs/performance.md)."""
     if world > 1:
         # (torch 2.13 renamed broadcast_buffers; a sync at start-up is harmless: every process starts uncalibrated)
         no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
-                    gradient_as_bucket_view=True, **{no_sync: False},
-                    **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}))
+                    gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb, **{no_sync: False})
     if compile:
         model = torch.compile(model, mode=None if compile in (True, "default") else compile)
     return model
@@ -105,6 +107,18 @@ def new_step(compile):
     (the losses read from a run are used before the next one starts)."""
     if compile in CUDA_GRAPH_MODES:
         torch.compiler.cudagraph_mark_step_begin()
+
+
+def zero_grads(model, optimizer, compile):
+    """Clear the gradients before an optimizer step's micro-steps. Under CUDA graphs they stay allocated and are zeroed
+    in place (allocated before the first step): a gradient that a graph's backward hands out would otherwise become
+    .grad where it lies, in the graph's memory, and the next micro-step's replay would overwrite it."""
+    if compile not in CUDA_GRAPH_MODES:
+        return optimizer.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer.zero_grad(set_to_none=False)
 
 
 def to_host(t):

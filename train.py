@@ -343,9 +343,10 @@ def check_same_vocabulary(ckpt, meta, cfg, data_dir):
 
 def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
     """One optimizer step of `accum` micro-steps (gradients synced across processes on the last only); returns
-    the loss, averaged over processes. Its one host sync (reading the loss; on one GPU it waits for the forward only)
-    lets a NaN stop the run before it reaches the weights."""
+    the loss, averaged over processes. Its one host sync (reading the loss, which waits for the last forward only, so
+    the GPU runs the backward meanwhile) lets a NaN stop the run before it reaches the weights."""
     loss_sum, on_host = 0.0, None
+    runtime.zero_grads(model, optimizer, cfg["compile"])
     for micro in range(accum):
         last = micro == accum - 1
         with model.no_sync() if world > 1 and not last else contextlib.nullcontext():
@@ -354,13 +355,12 @@ def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
             with autocast:
                 loss = model(x, y)[1] / accum
             loss_sum += loss.detach()
-            if last and world == 1:
-                on_host = runtime.to_host(loss_sum)  # queued before the backward: reading it waits for the forward only
+            if last:  # queued before the backward: reading it waits for the forward (and the loss's all-reduce) only
+                if world > 1:
+                    dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+                on_host = runtime.to_host(loss_sum)
             batches.prefetch()  # the next batch is drawn while the GPU runs this forward: its copy overlaps it
             scaler.scale(loss).backward()
-    if world > 1:
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        on_host = runtime.to_host(loss_sum)
     lossf = on_host()
     if math.isfinite(lossf):
         if cfg["grad_clip"] > 0:
@@ -368,7 +368,6 @@ def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         scaler.step(optimizer)
         scaler.update()
-    optimizer.zero_grad(set_to_none=True)
     return lossf
 
 
