@@ -46,8 +46,8 @@ import triton
 from tqdm import tqdm
 
 import bench_mlp
-import errors
-import runtime
+from helpers import errors
+from helpers import runtime
 from model import GPT, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")

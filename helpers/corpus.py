@@ -16,8 +16,7 @@ import glob
 import os
 import re
 
-import data
-import errors
+from helpers import data, errors
 
 CHUNK_CHARS = 1 << 20  # a single text is read and tokenized in ~1M-char pieces
 BATCH_CHARS = 1 << 20  # documents go to the tokenizing processes in batches of ~1M chars (a larger file streams)

@@ -19,7 +19,7 @@ import threading
 import numpy as np
 import tiktoken
 
-import errors
+from helpers import errors
 
 # known datasets that can be prepared offline, by name -> prepare.prepare() kwargs
 DATASETS = {
@@ -137,25 +137,9 @@ def token_dtype(vocab_size):
 # -----------------------------------------------------------------------------
 # loading
 
-def _is_prepared(d):
+def is_prepared(d):
+    """Whether folder d holds a complete prepared dataset (meta.json is written last)."""
     return all(os.path.isfile(os.path.join(d, f)) for f in ("train.bin", "val.bin", "meta.json"))
-
-def ensure_dataset(name_or_dir, data_root="data"):
-    """Directory of a prepared dataset, preparing a known one on first use."""
-    target = os.path.join(data_root, name_or_dir)
-    for d in (name_or_dir, target):
-        if _is_prepared(d):
-            return d
-    if name_or_dir in DATASETS:
-        import prepare  # only here: training a prepared dataset never needs the preparation code
-        print(f"dataset {name_or_dir!r} not prepared yet, preparing it in {target}")
-        prepare.prepare(target, **DATASETS[name_or_dir])
-        return target
-    raise FileNotFoundError(
-        f"dataset {name_or_dir!r} not found: no train.bin/val.bin/meta.json in {name_or_dir!r} "
-        f"or {target!r}, and it is not a known dataset ({', '.join(sorted(DATASETS))}). "
-        f"Prepare custom data with: python prepare.py --source=PATH_OR_hf:NAME "
-        f"--tokenizer=char|gpt2 --out_dir={target}")
 
 def load_meta(data_dir):
     with open(os.path.join(data_dir, "meta.json"), encoding="utf-8") as f:
@@ -217,8 +201,3 @@ class Batches:
         xy[0], xy[1] = windows[:, :-1], windows[:, 1:]
         xy = xy.to(self.device, non_blocking=cuda)  # pinned + non_blocking: the copy overlaps the GPU's work
         return xy[0], xy[1]
-
-if __name__ == "__main__":  # the command moved: say where, rather than do nothing
-    print("data.py: error: preparing a dataset moved to prepare.py (same flags): python prepare.py --help",
-          file=sys.stderr)
-    sys.exit(2)  # errors.UsageError's status

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-import errors
+from helpers import errors
 import model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
