@@ -107,6 +107,7 @@ def train(cfg, ckpt, argv, device, rank, world):
     if master:
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
               f"{device} {dtype}, {world} process(es), data {data_dir}")
+        print(f"writing to {cfg['out_dir']}: {', '.join(output_files(cfg))}")
 
     def save(evaluated):
         """A checkpoint of this moment: before iteration iter_num's step, with every process's random states."""
@@ -174,6 +175,8 @@ def train(cfg, ckpt, argv, device, rank, world):
     if master:
         if cfg["plot"]:
             plot_losses(log.path, os.path.join(cfg["out_dir"], "loss.png"))
+        written = output_files(cfg, saved=timer.checkpoints > 0)
+        print(f"wrote {', '.join(os.path.join(cfg['out_dir'], name) for name in written)}")
         if cfg["sample_after"]:
             print_sample(raw_model, meta, autocast, device, progress.iter_num)
     return {"iter_num": progress.iter_num, "best_val_loss": progress.best_val, "losses": losses,
@@ -192,6 +195,14 @@ def get_lr(it, cfg):
         return cfg["min_lr"]
     ratio = (it - cfg["warmup_iters"]) / max(1, cfg["lr_decay_iters"] - cfg["warmup_iters"])
     return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
+
+
+def output_files(cfg, saved=True):
+    """The files a run writes in out_dir (what it will write, at its start; what it wrote, at its end: saved says
+    whether it wrote a checkpoint). An eval_only run writes no checkpoint."""
+    checkpoints = [] if cfg["eval_only"] or not saved else ["ckpt.pt"] if cfg["always_save_checkpoint"] else \
+        ["ckpt.pt", "ckpt_best.pt"]
+    return [*checkpoints, "log.jsonl", *(["loss.png"] if cfg["plot"] else [])]
 
 
 def eval_due(progress, cfg):

@@ -79,6 +79,21 @@ def test_short_run_learns_and_writes_everything(dataset, tmp_path):
     assert not [f for f in os.listdir(out) if ".tmp" in f]
 
 
+def test_says_where_it_writes(dataset, tmp_path, capsys):
+    """Where the outputs go, said when the run starts and again, file by file, when it ends (an eval_only run writes
+    no checkpoint; always_save_checkpoint=False keeps the best one too)."""
+    out = str(tmp_path / "out")
+    run(dataset, out, "--max_iters=2", "--eval_interval=2", "--plot=True")
+    printed = capsys.readouterr().out
+    assert f"writing to {out}: ckpt.pt, log.jsonl, loss.png\n" in printed, printed
+    files = [os.path.join(out, name) for name in ("ckpt.pt", "log.jsonl", "loss.png")]
+    assert printed.rstrip().endswith(f"wrote {', '.join(files)}") and all(map(os.path.isfile, files)), printed
+    run(dataset, out, "--max_iters=2", "--eval_only=True", "--init_from=resume")
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {os.path.join(out, 'log.jsonl')}")
+    run(dataset, str(tmp_path / "best"), "--max_iters=2", "--eval_interval=2", "--always_save_checkpoint=False")
+    assert f"writing to {tmp_path / 'best'}: ckpt.pt, ckpt_best.pt, log.jsonl\n" in capsys.readouterr().out
+
+
 def test_resume_continues_exactly(dataset, tmp_path):
     """12 iterations in one go == 7, then resumed to 12: same losses, bit for bit (dropout included)."""
     common = ["--dropout=0.1", "--eval_interval=4", "--lr_decay_iters=12", "--log_interval=1"]
