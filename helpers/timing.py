@@ -65,8 +65,10 @@ class RunTimer:
         parts = {k: v for k, v in parts.items() if v > 0}
         self.seconds.update(parts)
         rest = sum(warm) - len(warm) * steady - sum(parts.values())
-        rest_is = "kernel compiles, CUDA graphs, allocation" if self.device_type == "cuda" else "first calls, allocation"
-        inside = ", ".join([*(f"{k} {v:.1f} s" for k, v in parts.items()), f"the rest ({rest_is}) {max(rest, 0):.1f} s"])
+        rest_is = ("kernel compiles, CUDA graphs, allocation" if self.device_type == "cuda"
+                   else "first calls, allocation")  # no GPU words for a CPU (or MPS) run
+        inside = ", ".join([*(f"{k} {v:.1f} s" for k, v in parts.items()),
+                            f"the rest ({rest_is}) {max(rest, 0):.1f} s"])
         evals = ""
         if self.evals:
             lazy = ", ".join(f"{k} {v:.1f} s" for k, v in self.before_steps.items() if v > 0)

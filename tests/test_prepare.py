@@ -578,8 +578,8 @@ def alive(pid):
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.skipif(prepare_data.START_METHOD != "fork", reason="spawned workers import prepare_data.py before their initializer "
-                    "ignores SIGINT: a Ctrl-C that early kills them with a traceback")
+@pytest.mark.skipif(prepare_data.START_METHOD != "fork", reason="spawned workers import prepare_data.py before "
+                    "their initializer ignores SIGINT: a Ctrl-C that early kills them with a traceback")
 def test_cli_ctrl_c_keeps_previous_dataset(tmp_path, big_docs):
     """Ctrl-C (SIGINT to the process group) while two processes tokenize: prepare.py stops with one line and
     status 130, the previous dataset is untouched, and no temp file is left."""
