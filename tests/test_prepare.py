@@ -277,7 +277,7 @@ def test_interrupted_re_preparation_never_mixes_old_and_new(tmp_path, monkeypatc
             return real_replace(src, dst)
 
         with monkeypatch.context() as m:
-            m.setattr(prepare, "_tokenize", write_then_crash)
+            m.setattr(prepare_data, "_tokenize", write_then_crash)
             m.setattr(prepare_data.os, "replace", replace_then_crash)
             with pytest.raises((KeyboardInterrupt, OSError)):
                 prepare_data.prepare(d, source=str(new_src))
