@@ -44,10 +44,9 @@ import json
 import os
 import runpy
 import statistics
+import subprocess
 import sys
 import time
-
-import subprocess
 
 import torch
 import torch.distributed as dist
@@ -55,8 +54,7 @@ import triton
 from tqdm import tqdm
 
 import bench_mlp
-import errors
-import runtime
+from helpers import errors, runtime
 from model import GPT, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")

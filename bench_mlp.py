@@ -24,7 +24,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-import errors
+from helpers import errors
 from fused_ops import fp8_supported, linear_act_dgrad, linear_act_forward
 from fused_ops.tuning import TUNING_LOG
 from model import MLP, GPTConfig

@@ -14,9 +14,7 @@ import argparse
 import dataclasses
 import sys
 
-import checkpoint
-import errors
-import hf_gpt2
+from helpers import checkpoint, errors, hf_gpt2
 
 
 def parse_args(argv):

@@ -5,7 +5,7 @@ One config field, `mlp`, picks how the MLP runs: "eager" (plain PyTorch, below),
 kernels in fused_ops/) or "auto" (fused when the tensors are on a CUDA GPU and Triton works, eager
 otherwise). Both paths own exactly the same parameters, so a checkpoint trained one way loads the other.
 GPT.from_pretrained loads OpenAI's GPT-2 (Hugging Face checkpoints) into the same GPT, so either MLP runs it, and
-GPT.save_pretrained writes ours in that format; the files themselves are hf_gpt2.py's.
+GPT.save_pretrained writes ours in that format; the files themselves are helpers/hf_gpt2.py's.
 """
 
 import inspect
@@ -288,7 +288,7 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_path, **overrides):
-        """A GPT-2 checkpoint in Hugging Face's format as our GPT, on the CPU in fp32 (the files: hf_gpt2.py).
+        """A GPT-2 checkpoint in Hugging Face's format as our GPT, on the CPU in fp32 (the files: helpers/hf_gpt2.py).
 
         name_or_path: gpt2, gpt2-medium, gpt2-large or gpt2-xl (read from the Hugging Face cache, downloaded
         when online), or a folder holding a Hugging Face GPT-2 checkpoint (config.json with model.safetensors
@@ -296,9 +296,9 @@ class GPT(nn.Module):
         these may be overridden: mlp ("eager" | "fused" | "auto"), dropout, block_size (crops the position
         table), fuse_ln.
         """
-        import hf_gpt2  # here: it imports this module
+        from helpers import hf_gpt2  # here: only this method and save_pretrained need it (hf_gpt2 never imports model)
 
-        return hf_gpt2.from_pretrained(cls, name_or_path, **overrides)
+        return hf_gpt2.from_pretrained(cls, GPTConfig, name_or_path, **overrides)
 
     def save_pretrained(self, folder, meta=None):
         """Write this model as a GPT-2 checkpoint that transformers' GPT2LMHeadModel.from_pretrained(folder)
@@ -308,7 +308,7 @@ class GPT(nn.Module):
         (the padding rows are never a target) and adds its tokenizer: GPT-2's BPE files, or char_vocab.json.
         A gated MLP has no GPT-2 equivalent: a UsageError. An earlier export in folder is replaced whole.
         """
-        import hf_gpt2
+        from helpers import hf_gpt2
 
         hf_gpt2.save_pretrained(self, folder, meta)
 

@@ -16,11 +16,7 @@ import sys
 
 import torch
 
-import checkpoint
-import data
-import errors
-import hf_gpt2
-import runtime
+from helpers import checkpoint, data, errors, hf_gpt2, runtime
 from model import GPT
 
 

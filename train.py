@@ -6,9 +6,9 @@ Train a GPT (model.py) on a prepared dataset (prepare.py): one process, or many 
     python train.py configs/shakespeare_char_cpu.py --init_from=resume     # continue a run exactly
     python train.py --dataset=shakespeare --init_from=gpt2 --learning_rate=3e-5 --max_iters=20  # fine-tune GPT-2
 
-Settings: DEFAULTS below, overridden by config files, then by --key=value (configurator.py checks both).
-Writes out_dir/ckpt.pt (checkpoint.py), out_dir/log.jsonl and loss.png (runlog.py). Ctrl-C or SIGTERM stops at
-the end of the step, saves, and prints the command that resumes (signals.py).
+Settings: DEFAULTS in helpers/config.py, overridden by config files, then by --key=value (checked there too).
+Writes out_dir/ckpt.pt (helpers/checkpoint.py), out_dir/log.jsonl and loss.png (helpers/runlog.py). Ctrl-C or
+SIGTERM stops at the end of the step, saves, and prints the command that resumes (helpers/stopping.py).
 
 Read main() and train(): they are the whole story, in nanoGPT's order (settings, setup, data, model,
 optimizer, loop); the functions below them are its steps.
@@ -24,77 +24,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import checkpoint
-import data
-import errors
-import runtime
-import settings
-from configurator import ConfigError
+from helpers import checkpoint, config, data, errors, runtime
+from helpers.config import DEFAULTS, ConfigError
+from helpers.prepare_data import ensure_dataset
+from helpers.runlog import RunLog, check_wandb, closing, plot_losses
+from helpers.stopping import StopOnSignal, diverged, out_of_memory, stopped_by_signal
+from helpers.timing import RunTimer
 from model import GPT, GPTConfig
-from runlog import RunLog, check_wandb, closing, plot_losses
-from stopping import StopOnSignal, diverged, out_of_memory, stopped_by_signal
-from startup import Startup
-
-DEFAULTS = dict(
-    # I/O
-    out_dir="out",
-    eval_interval=2000,
-    log_interval=1,
-    eval_iters=200,
-    eval_only=False,  # evaluate once and exit
-    always_save_checkpoint=True,  # False: save only when the val loss improves (and keep it as ckpt_best.pt)
-    init_from="scratch",  # "scratch", "resume" (out_dir/ckpt.pt), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, or
-    # a folder holding a Hugging Face GPT-2 checkpoint (config.json and model.safetensors or pytorch_model.bin)
-    # wandb logging (off by default; pip install wandb)
-    wandb_log=False,
-    wandb_project="owt",
-    wandb_run_name="gpt2",
-    # data
-    dataset="shakespeare",  # a name data.DATASETS knows, or a folder with train.bin, val.bin, meta.json
-    data_root="data",
-    batch_size=12,  # micro-batch size of each process
-    block_size=1024,
-    gradient_accumulation_steps=40,  # over all processes together; divided by the world size
-    # model (GPT-2 small)
-    n_layer=12,
-    n_head=12,
-    n_embd=768,
-    dropout=0.0,
-    bias=False,
-    mlp="auto",  # "eager" | "fused" | "auto"
-    activation="gelu",
-    fuse_ln=False,  # fold each block's second LayerNorm into the fused MLP (mlp="fused" or "auto")
-    fp8=False,  # FP8 GEMMs in the fused MLP (mlp="fused", an Ada or Hopper GPU): fused_ops/fp8.py
-    vocab_size=None,  # None: the dataset's vocabulary size
-    # AdamW
-    learning_rate=6e-4,
-    max_iters=600000,
-    weight_decay=1e-1,
-    beta1=0.9,
-    beta2=0.95,
-    grad_clip=1.0,  # 0 disables clipping
-    # learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
-    decay_lr=True,
-    warmup_iters=2000,
-    lr_decay_iters=600000,
-    min_lr=6e-5,
-    # system
-    device="auto",  # "auto" (cuda > mps > cpu), "cpu", "cuda", "cuda:1", "mps"
-    dtype="auto",  # "auto" (bf16 on GPUs that have it, else fp16 on cuda, fp32 elsewhere) | bfloat16 | float16 | float32
-    compile=False,  # True (torch.compile), or a torch.compile mode: "reduce-overhead" adds CUDA graphs
-    seed=1337,
-    # extras
-    sample_after=False,  # print a short sample when training ends
-    plot=True,  # write out_dir/loss.png when training ends
-    progress=True,  # tqdm progress bar
-)
-KEY_TYPES = {"vocab_size": (int, type(None)), "compile": (bool, str)}
 
 
 def main(argv=None):
     """Train as configured by argv (default sys.argv[1:]); returns a summary dict, or None after --help."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    cfg, ckpt = settings.load(DEFAULTS, argv, KEY_TYPES)
+    cfg, ckpt = config.load(argv)
     if cfg is None:
         return None
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
@@ -134,16 +76,16 @@ def train(cfg, ckpt, argv, device, rank, world):
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     dtype, autocast = runtime.precision(cfg["dtype"], device_type)
-    startup = Startup(master)
+    timer = RunTimer(master, device_type)
 
     # data
-    with startup.phase("data"):
+    with timer.phase("data"):
         data_dir, meta = prepare_data(cfg, world)
         batches = data.Batches(data_dir, cfg["batch_size"], cfg["block_size"], device,
                                seed=cfg["seed"] * 1000 + 1 + rank)
 
     # model and optimizer
-    with startup.phase("model"):
+    with timer.phase("model"):
         raw_model, model_args = build_model(cfg, ckpt, meta, data_dir)
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # the fused MLP's kernels compile meanwhile (one per machine)
             raw_model.precompile_kernels(cfg["batch_size"] * cfg["block_size"],
@@ -164,10 +106,11 @@ def train(cfg, ckpt, argv, device, rank, world):
     if master:
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
               f"{device} {dtype}, {world} process(es), data {data_dir}")
+        print(f"writing to {cfg['out_dir']}: {', '.join(output_files(cfg))}")
 
     def save(evaluated):
         """A checkpoint of this moment: before iteration iter_num's step, with every process's random states."""
-        with startup.phase("checkpoints"):
+        with timer.phase("checkpoints"):
             states = checkpoint.rng_states(batches.state, device_type, world)
             if master:
                 checkpoint.save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -178,7 +121,7 @@ def train(cfg, ckpt, argv, device, rank, world):
             progress.last_saved, progress.saved_by_eval = progress.iter_num, evaluated
             if evaluated:
                 checkpoint.keep_best(cfg, master)
-        startup.checkpoints += 1
+        timer.checkpoints += 1
 
     # the loop (wandb, when on, is closed however it ends)
     bar = tqdm(total=cfg["max_iters"], initial=progress.iter_num, dynamic_ncols=True,
@@ -196,14 +139,14 @@ def train(cfg, ckpt, argv, device, rank, world):
             if eval_due(progress, cfg):
                 t0 = time.perf_counter()
                 losses = estimate_loss(model, batches, cfg, autocast, device, rank, world)
-                startup.eval(time.perf_counter() - t0)
+                timer.eval(time.perf_counter() - t0)
                 if not all(map(math.isfinite, losses.values())):
                     raise diverged(cfg, progress, "val/train loss", losses, lr, dtype)
                 log.write({"type": "eval", "iter": progress.iter_num, "train_loss": losses["train"],
                            "val_loss": losses["val"], "lr": lr})
                 if master:
                     bar.write(f"iter {progress.iter_num}: train loss {losses['train']:.4f}, "
-                              f"val loss {losses['val']:.4f} ({startup.evals[-1]:.2f} s)")
+                              f"val loss {losses['val']:.4f} ({timer.evals[-1]:.2f} s)")
                 if cfg["eval_only"]:
                     break
                 if losses["val"] < progress.best_val or cfg["always_save_checkpoint"]:
@@ -215,7 +158,7 @@ def train(cfg, ckpt, argv, device, rank, world):
             t0 = time.perf_counter()
             lossf = train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world)
             dt = time.perf_counter() - t0
-            startup.step(dt)
+            timer.step(dt)
             if not math.isfinite(lossf):
                 raise diverged(cfg, progress, "loss", lossf, lr, dtype)
             if local_iter >= 3:  # the first steps include warm-up (compilation, autotuning, allocation)
@@ -226,15 +169,17 @@ def train(cfg, ckpt, argv, device, rank, world):
             progress.iter_num += 1
             local_iter += 1
 
-    startup.report()
-    startup.summary()
+    timer.report()
+    timer.summary()
     if master:
         if cfg["plot"]:
             plot_losses(log.path, os.path.join(cfg["out_dir"], "loss.png"))
+        written = output_files(cfg, saved=timer.checkpoints > 0)
+        print(f"wrote {', '.join(os.path.join(cfg['out_dir'], name) for name in written)}")
         if cfg["sample_after"]:
             print_sample(raw_model, meta, autocast, device, progress.iter_num)
     return {"iter_num": progress.iter_num, "best_val_loss": progress.best_val, "losses": losses,
-            "out_dir": cfg["out_dir"], "startup": startup.seconds}
+            "out_dir": cfg["out_dir"], "startup": timer.seconds}
 
 
 # -----------------------------------------------------------------------------
@@ -249,6 +194,14 @@ def get_lr(it, cfg):
         return cfg["min_lr"]
     ratio = (it - cfg["warmup_iters"]) / max(1, cfg["lr_decay_iters"] - cfg["warmup_iters"])
     return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
+
+
+def output_files(cfg, saved=True):
+    """The files a run writes in out_dir (what it will write, at its start; what it wrote, at its end: saved says
+    whether it wrote a checkpoint). An eval_only run writes no checkpoint."""
+    checkpoints = [] if cfg["eval_only"] or not saved else ["ckpt.pt"] if cfg["always_save_checkpoint"] else \
+        ["ckpt.pt", "ckpt_best.pt"]
+    return [*checkpoints, "log.jsonl", *(["loss.png"] if cfg["plot"] else [])]
 
 
 def eval_due(progress, cfg):
@@ -269,7 +222,7 @@ def prepare_data(cfg, world=1):
     answer = [None]
     if world == 1 or dist.get_rank() == 0:
         try:
-            answer[0] = data.ensure_dataset(cfg["dataset"], data_root=cfg["data_root"])
+            answer[0] = ensure_dataset(cfg["dataset"], data_root=cfg["data_root"])
         except FileNotFoundError as e:
             raise ConfigError(f"dataset {cfg['dataset']!r}: {e}") from e
         finally:  # on failure the others get None and stop too (rank 0's error is the one printed)
@@ -287,7 +240,7 @@ def build_model(cfg, ckpt, meta, data_dir):
     torch.manual_seed(cfg["seed"])  # the same initial weights whatever the world size
     if cfg["init_from"] not in ("scratch", "resume"):
         return load_pretrained(cfg, meta)
-    model_args = {k: cfg[k] for k in settings.MODEL_KEYS}  # on resume cfg holds the checkpoint's architecture
+    model_args = {k: cfg[k] for k in config.MODEL_KEYS}  # on resume cfg holds the checkpoint's architecture
     model_args["vocab_size"] = cfg["vocab_size"] or meta["vocab_size"]
     if ckpt is not None:
         check_same_vocabulary(ckpt, meta, cfg, data_dir)
@@ -315,13 +268,13 @@ def load_pretrained(cfg, meta):
                                     fuse_ln=cfg["fuse_ln"], fp8=cfg["fp8"])
     except (OSError, ValueError) as e:  # not downloadable offline, a folder without the files, a bad block_size
         raise ConfigError(f"init_from={name!r}: {e}") from e
-    model_args = {k: getattr(model.config, k) for k in (*settings.MODEL_KEYS, "vocab_size")}
+    model_args = {k: getattr(model.config, k) for k in (*config.MODEL_KEYS, "vocab_size")}
     if model_args["vocab_size"] < meta["vocab_size"]:
         raise ConfigError(f"init_from={name!r} has a vocabulary of {model_args['vocab_size']} tokens, fewer than "
                           f"dataset {cfg['dataset']!r}'s {meta['vocab_size']}")
     # saved with the run's config, so that a resume and sample.py see the model actually trained
-    settings.fix_architecture(cfg, model_args, DEFAULTS, f"init_from={name!r} has",
-                     keys=[k for k in settings.ARCH_KEYS if k != "block_size"])
+    config.fix_architecture(cfg, model_args, DEFAULTS, f"init_from={name!r} has",
+                     keys=[k for k in config.ARCH_KEYS if k != "block_size"])
     return model, model_args
 
 

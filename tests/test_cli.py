@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
-import data
-import errors
-import prepare
-import runtime
-import stopping
+from helpers import data
+from helpers import errors
+from helpers import prepare_data
+from helpers import runtime
+from helpers import stopping
 import train
 from test_train import TINY, dataset  # noqa: F401 (dataset: test_train's fixture, the tiny char dataset)
 
@@ -254,7 +254,7 @@ def test_each_save_keeps_the_one_before(trained):
 
 def test_resume_on_another_vocabulary(trained, tmp_path):
     (tmp_path / "other.txt").write_text("abcdefg hijk\n" * 400)  # another, smaller character set
-    prepare.prepare(str(tmp_path / "other"), source=str(tmp_path / "other.txt"), tokenizer="char")
+    prepare_data.prepare(str(tmp_path / "other"), source=str(tmp_path / "other.txt"), tokenizer="char")
     out = copy_run(trained, tmp_path)
     proc = script("train.py", "--init_from=resume", f"--out_dir={out}", f"--dataset={tmp_path / 'other'}")
     line = one_line_error(proc, "train.py", 2)
@@ -292,7 +292,7 @@ def test_out_of_memory_says_what_to_lower(dataset, trained, tmp_path, monkeypatc
                                                   ("eager", False, False, False), ("fused", True, False, False),
                                                   ("fused", False, True, True), ("fused", True, True, False)])
 def test_out_of_memory_names_the_mlp_graphs_where_they_run(tmp_path, mlp, compile, fp8, tip):
-    import stopping
+    from helpers import stopping
     cfg = dict(out_dir=str(tmp_path), compile=compile, mlp=mlp, fp8=fp8, batch_size=8, gradient_accumulation_steps=1,
                block_size=64)
     line = str(stopping.out_of_memory(cfg, "cuda", torch.OutOfMemoryError("CUDA out of memory.")))

@@ -1,4 +1,4 @@
-"""Config parsing (configurator.py) and train.py's rejection of bad settings, before any training."""
+"""Config parsing (helpers/config.py) and train.py's rejection of bad settings, before any training."""
 
 import glob
 import os
@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-import settings
+from helpers import config
 import train
-from configurator import ConfigError, coerce, parse_config
+from helpers.config import ConfigError, coerce, parse_config
 from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,23 +109,23 @@ def test_cli_exits_nonzero_with_clear_message():
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
 def test_shipped_configs_are_valid(path):
-    cfg = parse_config(train.DEFAULTS, [path], train.KEY_TYPES)
-    settings.check(cfg)
-    GPTConfig(**{k: cfg[k] for k in settings.MODEL_KEYS}, vocab_size=cfg["vocab_size"] or 65)  # model.py accepts it
+    cfg = parse_config(config.DEFAULTS, [path], config.KEY_TYPES)
+    config.check(cfg)
+    GPTConfig(**{k: cfg[k] for k in config.MODEL_KEYS}, vocab_size=cfg["vocab_size"] or 65)  # model.py accepts it
 
 
 def test_config_values():
     base = os.path.join(ROOT, "configs")
-    baby = parse_config(train.DEFAULTS, [os.path.join(base, "shakespeare_char.py")], train.KEY_TYPES)
+    baby = parse_config(config.DEFAULTS, [os.path.join(base, "shakespeare_char.py")], config.KEY_TYPES)
     assert {k: baby[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "dropout", "max_iters",
                                  "lr_decay_iters", "min_lr", "beta2", "warmup_iters", "eval_interval", "eval_iters",
                                  "learning_rate", "dataset")} == {
         "n_layer": 6, "n_head": 6, "n_embd": 384, "block_size": 256, "batch_size": 64, "dropout": 0.2,
         "max_iters": 5000, "lr_decay_iters": 5000, "min_lr": 1e-4, "beta2": 0.99, "warmup_iters": 100,
         "eval_interval": 250, "eval_iters": 200, "learning_rate": 1e-3, "dataset": "shakespeare_char"}
-    cpu = parse_config(train.DEFAULTS, [os.path.join(base, "shakespeare_char_cpu.py")], train.KEY_TYPES)
+    cpu = parse_config(config.DEFAULTS, [os.path.join(base, "shakespeare_char_cpu.py")], config.KEY_TYPES)
     assert (cpu["device"], cpu["dtype"], cpu["compile"], cpu["mlp"]) == ("cpu", "float32", False, "auto")
-    gpt2 = parse_config(train.DEFAULTS, [os.path.join(base, "gpt2_124m.py")], train.KEY_TYPES)
+    gpt2 = parse_config(config.DEFAULTS, [os.path.join(base, "gpt2_124m.py")], config.KEY_TYPES)
     assert (gpt2["n_layer"], gpt2["n_head"], gpt2["n_embd"], gpt2["block_size"], gpt2["vocab_size"]) == (12, 12, 768, 1024, 50304)
     assert gpt2["batch_size"] * gpt2["gradient_accumulation_steps"] * gpt2["block_size"] == 491520
 
@@ -133,10 +133,10 @@ def test_config_values():
 def test_compile_takes_booleans_or_a_mode():
     """train.py's compile: True / False in any spelling, or a torch.compile mode; anything else is rejected
     by name before training starts."""
-    parse = lambda *argv: parse_config(train.DEFAULTS, list(argv), train.KEY_TYPES)
+    parse = lambda *argv: parse_config(config.DEFAULTS, list(argv), config.KEY_TYPES)
     assert [parse(a)["compile"] for a in ("--compile", "--compile=True", "--compile=false", "--compile=off")] == \
         [True, True, False, False]
     assert parse("--compile=reduce-overhead")["compile"] == "reduce-overhead"
-    settings.check(parse("--compile=reduce-overhead"))
+    config.check(parse("--compile=reduce-overhead"))
     with pytest.raises(ConfigError, match="config key 'compile' must be True, False or one of default, reduce-overhead"):
-        settings.check(parse("--compile=fast"))
+        config.check(parse("--compile=fast"))

@@ -1,9 +1,8 @@
-"""Tests for data.py (what training and sampling use: tokenizers, finding and loading a dataset, batches):
+"""Tests for helpers/data.py (what training and sampling use: tokenizers, finding and loading a dataset, batches):
 all offline, CPU only. Preparation is tested in test_prepare.py, which shares the fixtures here."""
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -14,10 +13,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import corpus as corpus_py  # noqa: E402
-import data  # noqa: E402
-import errors  # noqa: E402
-import prepare  # noqa: E402
+from helpers import corpus as corpus_py  # noqa: E402
+from helpers import data  # noqa: E402
+from helpers import errors  # noqa: E402
+from helpers import prepare_data  # noqa: E402
 
 SAMPLE = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
           "All:\nSpeak, speak.  It's 3 o'clock;  they'll say   'café'!\n\n\n"
@@ -118,7 +117,7 @@ def test_gpt2_vocab_files():
 
 def test_ensure_dataset_unknown_name(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
-        data.ensure_dataset("tinystories_typo", data_root=str(tmp_path))
+        prepare_data.ensure_dataset("tinystories_typo", data_root=str(tmp_path))
     msg = str(e.value)
     for needle in ("tinystories_typo", str(tmp_path / "tinystories_typo"), "shakespeare_char",
                    "train.bin", "python prepare.py --source="):
@@ -130,11 +129,11 @@ def test_ensure_dataset_prepares_once(tmp_path, monkeypatch):
     src.write_text("to be or not to be\n" * 50)
     monkeypatch.setitem(data.DATASETS, "tiny", dict(source=str(src), tokenizer="char"))
     monkeypatch.chdir(tmp_path)
-    d = data.ensure_dataset("tiny", data_root="data")
+    d = prepare_data.ensure_dataset("tiny", data_root="data")
     assert d == os.path.join("data", "tiny") and data.load_meta(d)["source"] == str(src)
-    monkeypatch.setattr(prepare, "prepare", lambda *a, **k: pytest.fail("prepared twice"))
-    assert data.ensure_dataset("tiny", data_root="data") == d
-    assert data.ensure_dataset(d, data_root="elsewhere") == d  # a prepared dir is used as is
+    monkeypatch.setattr(prepare_data, "prepare", lambda *a, **k: pytest.fail("prepared twice"))
+    assert prepare_data.ensure_dataset("tiny", data_root="data") == d
+    assert prepare_data.ensure_dataset(d, data_root="elsewhere") == d  # a prepared dir is used as is
 
 
 def test_load_tokens_rejects_bad_split(tmp_path):
@@ -148,7 +147,7 @@ def test_batches(tmp_path):
     src = tmp_path / "t.txt"
     src.write_text("".join(chr(ord("a") + i % 26) for i in range(300)) + "\n")  # val: the last 31 chars
     d = str(tmp_path / "d")
-    prepare.prepare(d, source=str(src), num_proc=1)
+    prepare_data.prepare(d, source=str(src), num_proc=1)
     batches = data.Batches(d, batch_size=4, block_size=8, device="cpu", seed=1)
     state = batches.gen.get_state()
     x, y = batches.get("train", gen=torch.Generator().manual_seed(1))
@@ -162,10 +161,3 @@ def test_batches(tmp_path):
     assert (batches.get("train")[0] == x).all()  # the same seed, the same batch
     with pytest.raises(errors.UsageError, match=r"the val split of .* has 31 tokens; block_size=31 needs more"):
         data.Batches(d, batch_size=4, block_size=31, device="cpu", seed=1)
-
-
-def test_data_py_is_no_command():
-    """Preparing moved to prepare.py: the old command says so (status 2) instead of doing nothing."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), "--dataset=shakespeare_char"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "moved to prepare.py" in r.stderr, r.stderr

@@ -12,11 +12,11 @@ import pytest
 import torch
 import transformers  # a test dependency only: the export itself never imports it
 
-import data
-import errors
+from helpers import data
+from helpers import errors
 import export
-import hf_gpt2
-import prepare
+from helpers import hf_gpt2
+from helpers import prepare_data
 from model import GATED_ACTIVATIONS, GPT, PLAIN_ACTIVATIONS, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,7 +153,7 @@ def test_export_py_after_training(tmp_path, capsys):
     import train  # here: the other tests need it not
 
     (tmp_path / "corpus.txt").write_text("ROMEO:\nwherefore art thou, Romeo?\n\nJULIET:\ngood night.\n" * 200)
-    prepare.prepare(str(tmp_path / "tiny"), source=str(tmp_path / "corpus.txt"), tokenizer="char")
+    prepare_data.prepare(str(tmp_path / "tiny"), source=str(tmp_path / "corpus.txt"), tokenizer="char")
     out, to = str(tmp_path / "out"), str(tmp_path / "exported")
     train.main(["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4", "--max_iters=3",
                 "--eval_interval=3", "--eval_iters=1", "--vocab_size=128", "--dropout=0.1", "--bias=False",

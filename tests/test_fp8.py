@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import model
-import runtime
-import settings
+from helpers import runtime
+from helpers import config as settings
 from fused_ops import fp8, fp8_autograd
 from fused_ops.fp8 import E4M3, E5M2, FP8_MAX, FP8State
 from fused_ops.fp8_autograd import fp8_mlp

@@ -1,4 +1,4 @@
-"""Tests for prepare.py and the sources it reads (corpus.py): all offline, CPU only."""
+"""Tests for prepare.py, helpers/prepare_data.py and the sources it reads (helpers/corpus.py): all offline, CPU only."""
 import hashlib
 import itertools
 import json
@@ -14,10 +14,11 @@ import time
 import numpy as np
 import pytest
 
-import corpus as corpus_py
-import data
-import errors
+from helpers import corpus as corpus_py
+from helpers import data
+from helpers import errors
 import prepare
+from helpers import prepare_data
 from test_data import ROOT, SAMPLE, corpus, offline_gpt2  # noqa: F401 (corpus, offline_gpt2: fixtures)
 
 
@@ -46,7 +47,7 @@ def run_prepare_py(*args, env=None, cwd=None):
                           text=True, env={**os.environ, **(env or {})}, cwd=cwd, timeout=120)
 
 
-# --- the built-in corpus (corpus.py) ----------------------------------------------------
+# --- the built-in corpus (helpers/corpus.py) ----------------------------------------------------
 
 def test_corpus_looks_like_shakespeare(corpus):
     assert len(corpus) > 4_000_000
@@ -75,7 +76,7 @@ def test_play_to_text_drops_markup():
 # --- preparation ------------------------------------------------------------------------
 
 def test_prepare_shakespeare_char(tmp_path, corpus):
-    meta = prepare.prepare(str(tmp_path), **data.DATASETS["shakespeare_char"])
+    meta = prepare_data.prepare(str(tmp_path), **data.DATASETS["shakespeare_char"])
     assert json.load(open(tmp_path / "meta.json")) == meta == data.load_meta(str(tmp_path))
     assert meta["tokenizer"] == "char" and meta["source"] == "shakespeare"
     assert meta["chars"] == sorted(set(corpus)) and meta["vocab_size"] == len(meta["chars"])
@@ -100,7 +101,7 @@ def test_prepare_local_file_gpt2(tmp_path, monkeypatch, offline_gpt2):
     src.write_text(SAMPLE * 40, encoding="utf-8")
     monkeypatch.setattr(corpus_py, "CHUNK_CHARS", 1)  # cut at every allowed newline
     out = tmp_path / "out"
-    meta = prepare.prepare(str(out), source=str(src), tokenizer="gpt2", val_fraction=0.25)
+    meta = prepare_data.prepare(str(out), source=str(src), tokenizer="gpt2", val_fraction=0.25)
     assert offline_gpt2 == []  # the shipped files: no download tried
     assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
     assert "chars" not in meta
@@ -117,7 +118,7 @@ def test_prepare_local_file_gpt2(tmp_path, monkeypatch, offline_gpt2):
 
 
 def test_prepare_shakespeare_gpt2(tmp_path, corpus, offline_gpt2):
-    meta = prepare.prepare(str(tmp_path), **data.DATASETS["shakespeare"])
+    meta = prepare_data.prepare(str(tmp_path), **data.DATASETS["shakespeare"])
     train, val = read_bins(str(tmp_path))
     encode, decode = data.get_tokenizer(meta)
     assert decode(train) + decode(val) == corpus
@@ -133,8 +134,8 @@ def test_prepare_directory_and_glob(tmp_path):
     (tmp_path / "docs" / "b.txt").write_text("bbbb bbbb\n" * 20)
     (tmp_path / "docs" / "a.txt").write_text("aaaa aaaa\n" * 20)
     (tmp_path / "docs" / "skip.md").write_text("not text")
-    m1 = prepare.prepare(str(tmp_path / "d1"), source=str(tmp_path / "docs"))
-    m2 = prepare.prepare(str(tmp_path / "d2"), source=str(tmp_path / "docs" / "*.txt"))
+    m1 = prepare_data.prepare(str(tmp_path / "d1"), source=str(tmp_path / "docs"))
+    m2 = prepare_data.prepare(str(tmp_path / "d2"), source=str(tmp_path / "docs" / "*.txt"))
     assert m1["chars"] == m2["chars"] == list("\n ab")
     assert read_bins(str(tmp_path / "d1")) == read_bins(str(tmp_path / "d2"))
     # each file is a document: one of the two is val (at least one always is), the other train
@@ -143,18 +144,18 @@ def test_prepare_directory_and_glob(tmp_path):
     train, val = read_bins(str(tmp_path / "d1"))
     assert sorted([decode(train), decode(val)]) == ["aaaa aaaa\n" * 20, "bbbb bbbb\n" * 20]
     with pytest.raises(errors.UsageError, match="nothing_here"):
-        prepare.prepare(str(tmp_path / "d3"), source=str(tmp_path / "nothing_here"))
+        prepare_data.prepare(str(tmp_path / "d3"), source=str(tmp_path / "nothing_here"))
 
 
 def test_prepare_validates_arguments(tmp_path, monkeypatch, capsys):
     src = tmp_path / "t.txt"
     src.write_text("hello world\n" * 10)
     with pytest.raises(errors.UsageError, match="--val_fraction=1.0"):
-        prepare.prepare(str(tmp_path / "o"), source=str(src), val_fraction=1.0)
+        prepare_data.prepare(str(tmp_path / "o"), source=str(src), val_fraction=1.0)
     with pytest.raises(errors.UsageError, match="--tokenizer=bytes"):
-        prepare.prepare(str(tmp_path / "o"), source=str(src), tokenizer="bytes")
+        prepare_data.prepare(str(tmp_path / "o"), source=str(src), tokenizer="bytes")
     with pytest.raises(errors.UsageError, match="--num_proc=-1"):
-        prepare.prepare(str(tmp_path / "o"), source=str(src), num_proc=-1)
+        prepare_data.prepare(str(tmp_path / "o"), source=str(src), num_proc=-1)
     # 0 is not "all cores": one line naming --num_proc, exit status 2, before any work
     argv = [f"--source={src}", f"--out_dir={tmp_path / 'o'}", "--num_proc=0"]
     assert errors.run_main("prepare.py", prepare.main, argv) == 2
@@ -162,16 +163,16 @@ def test_prepare_validates_arguments(tmp_path, monkeypatch, capsys):
     assert not os.path.exists(tmp_path / "o")
     # the default: the CPUs this process may run on, not all of the machine's
     if hasattr(os, "sched_getaffinity"):
-        assert prepare._cpu_count() == len(os.sched_getaffinity(0))
-    monkeypatch.setattr(prepare, "_cpu_count", lambda: 1)
-    prepare.prepare(str(tmp_path / "o"), source=str(src))
+        assert prepare_data._cpu_count() == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(prepare_data, "_cpu_count", lambda: 1)
+    prepare_data.prepare(str(tmp_path / "o"), source=str(src))
     assert "--num_proc=1)" in capsys.readouterr().out
 
 
 def test_large_char_vocab_uses_uint32(tmp_path):
     text = "".join(chr(0x20000 + i) for i in range(70_000))  # 70k distinct chars
     (tmp_path / "big.txt").write_text(text, encoding="utf-8")
-    meta = prepare.prepare(str(tmp_path / "o"), source=str(tmp_path / "big.txt"))
+    meta = prepare_data.prepare(str(tmp_path / "o"), source=str(tmp_path / "big.txt"))
     assert meta["vocab_size"] == 70_000 and meta["dtype"] == "uint32"
     train, val = read_bins(str(tmp_path / "o"))
     assert train + val == list(range(70_000))  # ids above 65535 survive
@@ -185,7 +186,7 @@ def test_hf_failure_is_clear(tmp_path, monkeypatch):
         raise ConnectionError("Couldn't reach the Hub")
     monkeypatch.setattr(datasets, "load_dataset", fail)
     with pytest.raises(errors.RunError, match=r"--source=hf:someone/stories could not be loaded \(offline\?.*reach the Hub"):
-        prepare.prepare(str(tmp_path), source="hf:someone/stories")
+        prepare_data.prepare(str(tmp_path), source="hf:someone/stories")
     assert not os.path.exists(tmp_path / "meta.json")
 
 
@@ -206,7 +207,7 @@ def test_hf_source_uses_text_column(tmp_path, monkeypatch, offline_gpt2):
     splits = {}
     for streaming in (False, True):
         out = str(tmp_path / f"streaming_{streaming}")
-        meta = prepare.prepare(out, source="hf:me/tiny", tokenizer="gpt2", text_column="story", hf_config="small",
+        meta = prepare_data.prepare(out, source="hf:me/tiny", tokenizer="gpt2", text_column="story", hf_config="small",
                             hf_split="validation", streaming=streaming, val_fraction=0.25, num_proc=1)
         assert seen[-1] == ("me/tiny", "small", "validation", streaming)
         train, val = (split_docs(ids) for ids in read_bins(out))
@@ -215,28 +216,28 @@ def test_hf_source_uses_text_column(tmp_path, monkeypatch, offline_gpt2):
         texts = [enc.decode(d) for d in train + val]
         assert sorted(texts) == sorted(stories)
         assert [enc.decode(d) for d in train] == [s for s in stories if s in texts[:len(train)]]  # in order
-        flags = list(itertools.islice(prepare._val_flags(None if streaming else 42, 0.25, 2357), 42))
+        flags = list(itertools.islice(prepare_data._val_flags(None if streaming else 42, 0.25, 2357), 42))
         assert [s for s, f in zip(rows["story"], flags) if f and s] == texts[len(train):]
         if not streaming:
             assert sum(flags) == round(42 * 0.25)  # exactly, when the length is known up front
         splits[streaming] = texts[len(train):]
     assert 3 <= len(splits[True]) <= 20 and splits[True] != splits[False]  # a draw per streamed document
     # a char vocabulary reads the stream twice (alphabet, then ids); the same documents are val
-    meta = prepare.prepare(str(tmp_path / "char"), source="hf:me/tiny", text_column="story", streaming=True,
+    meta = prepare_data.prepare(str(tmp_path / "char"), source="hf:me/tiny", text_column="story", streaming=True,
                         val_fraction=0.25, num_proc=1)
     _, decode = data.get_tokenizer(meta)
     train, val = read_bins(str(tmp_path / "char"))
     assert decode(val) == "\n\n".join(splits[True])
     assert decode(train) == "\n\n".join(s for s in stories if s not in splits[True])
     # another seed draws other val documents; the same seed the same ones
-    prepare.prepare(str(tmp_path / "seed"), source="hf:me/tiny", tokenizer="gpt2", text_column="story",
+    prepare_data.prepare(str(tmp_path / "seed"), source="hf:me/tiny", tokenizer="gpt2", text_column="story",
                  val_fraction=0.25, num_proc=1, seed=1)
     assert read_bins(str(tmp_path / "seed")) != read_bins(str(tmp_path / "streaming_False"))
-    prepare.prepare(str(tmp_path / "again"), source="hf:me/tiny", tokenizer="gpt2", text_column="story",
+    prepare_data.prepare(str(tmp_path / "again"), source="hf:me/tiny", tokenizer="gpt2", text_column="story",
                  val_fraction=0.25, num_proc=1, hf_config="small", hf_split="validation")
     assert sha256s(str(tmp_path / "again")) == sha256s(str(tmp_path / "streaming_False"))
     with pytest.raises(errors.UsageError, match="no column 'text'; its columns are 'story', 'id'"):
-        prepare.prepare(str(tmp_path / "x"), source="hf:me/tiny")
+        prepare_data.prepare(str(tmp_path / "x"), source="hf:me/tiny")
 
 
 def test_interrupted_re_preparation_never_mixes_old_and_new(tmp_path, monkeypatch):
@@ -257,10 +258,10 @@ def test_interrupted_re_preparation_never_mixes_old_and_new(tmp_path, monkeypatc
         assert not [f for f in os.listdir(d) if ".tmp" in f]  # no temp file left behind
         return meta["source"]
 
-    real_tokenize, real_replace = prepare._tokenize, os.replace
+    real_tokenize, real_replace = prepare_data._tokenize, os.replace
     for crash in ("val.bin", 0, 1, 2):  # after writing the temp .bin files, or at the n-th rename
         d = os.path.join("data", f"crash_{crash}")
-        prepare.prepare(d, source=str(old_src))
+        prepare_data.prepare(d, source=str(old_src))
         calls = []
 
         def write_then_crash(*args, **kwargs):
@@ -276,17 +277,17 @@ def test_interrupted_re_preparation_never_mixes_old_and_new(tmp_path, monkeypatc
             return real_replace(src, dst)
 
         with monkeypatch.context() as m:
-            m.setattr(prepare, "_tokenize", write_then_crash)
-            m.setattr(prepare.os, "replace", replace_then_crash)
+            m.setattr(prepare_data, "_tokenize", write_then_crash)
+            m.setattr(prepare_data.os, "replace", replace_then_crash)
             with pytest.raises((KeyboardInterrupt, OSError)):
-                prepare.prepare(d, source=str(new_src))
+                prepare_data.prepare(d, source=str(new_src))
         if crash == "val.bin":
-            assert data._is_prepared(d) and consistent(d) == str(old_src)  # the old set, untouched
-        elif data._is_prepared(d):
+            assert data.is_prepared(d) and consistent(d) == str(old_src)  # the old set, untouched
+        elif data.is_prepared(d):
             assert consistent(d) == str(old_src)
         else:  # detected as incomplete: prepared again on the next use
             monkeypatch.setitem(data.DATASETS, f"crash_{crash}", dict(source=str(new_src), tokenizer="char"))
-            assert data.ensure_dataset(f"crash_{crash}", data_root="data") == d
+            assert prepare_data.ensure_dataset(f"crash_{crash}", data_root="data") == d
             assert consistent(d) == str(new_src)
         assert calls or crash == "val.bin"  # every crash point was reached
 
@@ -328,14 +329,14 @@ def test_documents_same_files_whatever_num_proc(tmp_path, monkeypatch, offline_g
     texts = write_docs(tmp_path / "docs", 60)
     monkeypatch.setattr(corpus_py, "BATCH_CHARS", 200)  # ~1-2 documents a batch: many batches in flight
     if start_method:  # spawn is what macOS and Windows get
-        monkeypatch.setattr(prepare, "START_METHOD", start_method)
+        monkeypatch.setattr(prepare_data, "START_METHOD", start_method)
     outs = [str(tmp_path / f"out{n}") for n in (1, 2)]
-    metas = [prepare.prepare(out, source=str(tmp_path / "docs"), tokenizer=tokenizer, num_proc=n)
+    metas = [prepare_data.prepare(out, source=str(tmp_path / "docs"), tokenizer=tokenizer, num_proc=n)
              for out, n in zip(outs, (1, 2))]
     assert sha256s(outs[0]) == sha256s(outs[1])
     meta = metas[0]
     assert (meta["train_documents"], meta["val_documents"]) == (54, 6)  # round(60 * 0.1); blank ones skipped
-    flags = list(itertools.islice(prepare._val_flags(62, 0.1, 2357), 62))  # 62 files, sorted: blank, doc000...
+    flags = list(itertools.islice(prepare_data._val_flags(62, 0.1, 2357), 62))  # 62 files, sorted: blank, doc000...
     names = sorted(["blank.txt", "empty.txt"] + [f"doc{i:03d}.txt" for i in range(60)])
     by_name = dict(zip([f"doc{i:03d}.txt" for i in range(60)], texts))
     want = ([by_name[n] for n, f in zip(names, flags) if n in by_name and not f],
@@ -363,22 +364,22 @@ def test_large_txt_documents_stream_in_pieces(tmp_path, monkeypatch, offline_gpt
     (docs / "e.txt").write_text(" \n" * 300)  # blank, and larger than a batch: skipped
     monkeypatch.setattr(corpus_py, "BATCH_CHARS", 256)
     read_whole, longest = [], [0]
-    real_read_text, real_encode = corpus_py._read_text, prepare._encode
+    real_read_text, real_encode = corpus_py._read_text, prepare_data._encode
     monkeypatch.setattr(corpus_py, "_read_text", lambda path: read_whole.append(os.path.basename(path))
                         or real_read_text(path))
     def encode(text, ends_document=True):  # num_proc=1: runs in this process
         longest[0] = max(longest[0], len(text))
         return real_encode(text, ends_document)
-    monkeypatch.setattr(prepare, "_encode", encode)
+    monkeypatch.setattr(prepare_data, "_encode", encode)
     enc = data.gpt2_encoding()
-    meta = prepare.prepare(str(tmp_path / "gpt2"), source=str(docs), tokenizer="gpt2", val_fraction=0.25, num_proc=1)
+    meta = prepare_data.prepare(str(tmp_path / "gpt2"), source=str(docs), tokenizer="gpt2", val_fraction=0.25, num_proc=1)
     assert sorted(read_whole) == ["a.txt", "d.txt"] and longest[0] < 2 * 256
     assert (meta["train_documents"], meta["val_documents"]) == (3, 1)
     train, val = (split_docs(ids) for ids in read_bins(str(tmp_path / "gpt2")))
     in_val = {n: enc.encode(texts[n]) in val for n in sorted(texts)}
     assert train == [enc.encode(texts[n]) for n in sorted(texts) if not in_val[n]]  # in order, each whole
     assert val == [enc.encode(texts[n]) for n in sorted(texts) if in_val[n]]
-    meta = prepare.prepare(str(tmp_path / "char"), source=str(docs), val_fraction=0.25, num_proc=1)
+    meta = prepare_data.prepare(str(tmp_path / "char"), source=str(docs), val_fraction=0.25, num_proc=1)
     _, decode = data.get_tokenizer(meta)  # the same seed: the same documents are val
     train, val = read_bins(str(tmp_path / "char"))
     assert [decode(ids) for ids in (train, val)] == [
@@ -387,12 +388,12 @@ def test_large_txt_documents_stream_in_pieces(tmp_path, monkeypatch, offline_gpt
 
 
 def test_val_flags():
-    exact = list(prepare._val_flags(1000, 0.05, 7))
-    assert len(exact) == 1000 and sum(exact) == 50 and exact == list(prepare._val_flags(1000, 0.05, 7))
-    assert exact != list(prepare._val_flags(1000, 0.05, 8))
-    assert sum(prepare._val_flags(3, 0.9, 7)) == 2  # never all of them: train keeps one
-    stream = list(itertools.islice(prepare._val_flags(None, 0.05, 7), 20_000))
-    assert 800 < sum(stream) < 1200 and stream == list(itertools.islice(prepare._val_flags(None, 0.05, 7), 20_000))
+    exact = list(prepare_data._val_flags(1000, 0.05, 7))
+    assert len(exact) == 1000 and sum(exact) == 50 and exact == list(prepare_data._val_flags(1000, 0.05, 7))
+    assert exact != list(prepare_data._val_flags(1000, 0.05, 8))
+    assert sum(prepare_data._val_flags(3, 0.9, 7)) == 2  # never all of them: train keeps one
+    stream = list(itertools.islice(prepare_data._val_flags(None, 0.05, 7), 20_000))
+    assert 800 < sum(stream) < 1200 and stream == list(itertools.islice(prepare_data._val_flags(None, 0.05, 7), 20_000))
 
 
 def test_ordered_map_bounds_read_ahead():
@@ -402,7 +403,7 @@ def test_ordered_map_bounds_read_ahead():
         for i in range(1000):
             read.append(i)
             yield [(0, f"doc {i}")]
-    results = prepare._ordered_map(prepare._chars_of, batches(), 2, (None, None, None))
+    results = prepare_data._ordered_map(prepare_data._chars_of, batches(), 2, (None, None, None))
     assert next(results) == set("doc 0")
     assert len(read) <= 4
     assert [sorted(r) for r in itertools.islice(results, 3)] == [sorted(set(f"doc {i}")) for i in (1, 2, 3)]
@@ -455,19 +456,19 @@ def test_data_files_through_datasets(tmp_path, offline_gpt2):
     results = []
     for ext in ("jsonl", "csv", "parquet"):
         out = str(tmp_path / f"out_{ext}")
-        meta = prepare.prepare(out, source=str(tmp_path / f"rows*.{ext}"), tokenizer="gpt2", text_column="body",
+        meta = prepare_data.prepare(out, source=str(tmp_path / f"rows*.{ext}"), tokenizer="gpt2", text_column="body",
                             val_fraction=0.2, num_proc=1)
         results.append(read_bins(out))  # meta.json differs: it names the source
         train, val = (split_docs(ids) for ids in read_bins(out))
         assert len(train) + len(val) == 29 and len(val) == meta["val_documents"] > 0
     assert results[0] == results[1] == results[2]
     with pytest.raises(errors.UsageError, match="no column 'text'; its columns are 'id', 'body'"):
-        prepare.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows*.parquet"), num_proc=1)
+        prepare_data.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows*.parquet"), num_proc=1)
     with pytest.raises(errors.UsageError, match="mixes kinds of files"):
-        prepare.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows0.*"), num_proc=1)
+        prepare_data.prepare(str(tmp_path / "x"), source=str(tmp_path / "rows0.*"), num_proc=1)
     (tmp_path / "bad.jsonl").write_bytes(b'{"body": "ok"}\n{"body": "caf\xe9"}\n')  # latin-1
     with pytest.raises(errors.UsageError, match=r"bad\.jsonl: not UTF-8 text \(byte 0xe9 at offset 28\)"):
-        prepare.prepare(str(tmp_path / "x"), source=str(tmp_path / "bad.jsonl"), text_column="body", num_proc=1)
+        prepare_data.prepare(str(tmp_path / "x"), source=str(tmp_path / "bad.jsonl"), text_column="body", num_proc=1)
 
 
 # --- prepare.py as a command: expected failures are one line and an exit status ---------
@@ -577,8 +578,8 @@ def alive(pid):
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.skipif(prepare.START_METHOD != "fork", reason="spawned workers import prepare.py before their initializer "
-                    "ignores SIGINT: a Ctrl-C that early kills them with a traceback")
+@pytest.mark.skipif(prepare_data.START_METHOD != "fork", reason="spawned workers import prepare_data.py before "
+                    "their initializer ignores SIGINT: a Ctrl-C that early kills them with a traceback")
 def test_cli_ctrl_c_keeps_previous_dataset(tmp_path, big_docs):
     """Ctrl-C (SIGINT to the process group) while two processes tokenize: prepare.py stops with one line and
     status 130, the previous dataset is untouched, and no temp file is left."""
@@ -633,7 +634,7 @@ def test_fineweb_config_data_command(monkeypatch):
     end = next(i for i in range(start, len(lines)) if not lines[i].endswith("\\"))
     command = shlex.split(" ".join(line.rstrip("\\") for line in lines[start:end + 1]))
     seen = {}
-    monkeypatch.setattr(prepare, "prepare", lambda out_dir, **kwargs: seen.update(out_dir=out_dir, **kwargs))
+    monkeypatch.setattr(prepare_data, "prepare", lambda out_dir, **kwargs: seen.update(out_dir=out_dir, **kwargs))
     prepare.main(command[2:])
     cfg = runpy.run_path(path)
     assert seen["out_dir"] == os.path.join(cfg.get("data_root", "data"), cfg["dataset"])
@@ -644,7 +645,7 @@ def test_fineweb_config_data_command(monkeypatch):
     assert 9.9e9 < tokens_per_step * cfg["max_iters"] < 1.01e10
 
 
-@pytest.mark.skipif(prepare.START_METHOD != "fork", reason="the workers get the monkeypatched _chars_of only by fork")
+@pytest.mark.skipif(prepare_data.START_METHOD != "fork", reason="the workers get the monkeypatched _chars_of only by fork")
 def test_a_killed_worker_is_one_clear_error(tmp_path, monkeypatch, capsys):
     """A tokenizing process killed mid-run (as by the out-of-memory killer): one line naming --num_proc,
     and the previous dataset stays. Through prepare() too (train.py prepares known datasets through
@@ -653,7 +654,7 @@ def test_a_killed_worker_is_one_clear_error(tmp_path, monkeypatch, capsys):
     prepare.main([f"--source={tmp_path / 'docs'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1"])
     before = sha256s(str(tmp_path / "out"))
     monkeypatch.setattr(corpus_py, "BATCH_CHARS", 200)
-    monkeypatch.setattr(prepare, "_chars_of", _killed)
+    monkeypatch.setattr(prepare_data, "_chars_of", _killed)
     argv = [f"--source={tmp_path / 'docs'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=2"]
     status = errors.run_main("prepare.py", prepare.main, argv)
     err = capsys.readouterr().err
@@ -663,7 +664,7 @@ def test_a_killed_worker_is_one_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(data.DATASETS, "killed", dict(source=str(tmp_path / "docs"), tokenizer="char", num_proc=2))
     with pytest.raises(errors.RunError, match=r"preparing .*killed failed: a tokenizing process died \(out of "
                                               r"memory\?\); try a smaller --num_proc"):
-        data.ensure_dataset("killed", data_root=str(tmp_path))
+        prepare_data.ensure_dataset("killed", data_root=str(tmp_path))
     assert not os.path.exists(tmp_path / "killed")  # killed in the first pass (the alphabet): nothing written
 
 
@@ -678,6 +679,6 @@ def test_data_files_without_datasets_say_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: importing it fails
     with pytest.raises(errors.UsageError, match=r"rows\.jsonl is read through the `datasets` package, which is "
                                                 r"not installed: pip install datasets"):
-        prepare.prepare(str(tmp_path / "o"), source=str(tmp_path / "rows.jsonl"))
-    meta = prepare.prepare(str(tmp_path / "o"), source=str(tmp_path / "docs"), num_proc=1)
+        prepare_data.prepare(str(tmp_path / "o"), source=str(tmp_path / "rows.jsonl"))
+    meta = prepare_data.prepare(str(tmp_path / "o"), source=str(tmp_path / "docs"), num_proc=1)
     assert meta["train_documents"] + meta["val_documents"] == 10

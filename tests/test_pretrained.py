@@ -1,4 +1,4 @@
-"""GPT.from_pretrained on Hugging Face GPT-2 checkpoints (hf_gpt2.py): tiny random ones that transformers saves (it is a
+"""GPT.from_pretrained on Hugging Face GPT-2 checkpoints (helpers/hf_gpt2.py): tiny random ones that transformers saves (it is a
 test dependency only), compared with transformers' own logits; the hub cache offline; clear errors.
 A GPU test does the same at GPT-2 124M's shapes under bf16 autocast."""
 
@@ -14,9 +14,9 @@ import torch
 import transformers  # a test dependency only (.ci/run installs it): the loader itself never imports it
 from safetensors.torch import load_file, save_file
 
-import configurator
-import data
-import errors
+from helpers import config
+from helpers import data
+from helpers import errors
 import sample
 import train
 from model import GPT
@@ -228,7 +228,7 @@ def run_loader(code, env_changes, timeout=120):
                           text=True, timeout=timeout)
 
 
-FROM_NAME = ("import sys, errors, hf_gpt2, model\n"
+FROM_NAME = ("import sys, model\nfrom helpers import errors, hf_gpt2\n"
              "hf_gpt2.HUB_TIMEOUT = 2\n"
              "sys.exit(errors.run_main('sample.py', lambda argv: print(model.GPT.from_pretrained('gpt2').config)))")
 
@@ -273,8 +273,8 @@ def test_name_reads_the_hub_cache_offline(tiny, tmp_path, repo_dir):
 
 
 def test_finetune_config_uses_real_train_keys():
-    cfg = configurator.parse_config(train.DEFAULTS, [os.path.join(ROOT, "configs", "finetune_shakespeare.py")],
-                                    train.KEY_TYPES)
+    cfg = config.parse_config(config.DEFAULTS, [os.path.join(ROOT, "configs", "finetune_shakespeare.py")],
+                                    config.KEY_TYPES)
     assert cfg["init_from"] == "gpt2" and cfg["dataset"] == "shakespeare"
     assert data.DATASETS["shakespeare"]["tokenizer"] == "gpt2"  # GPT-2's BPE: the checkpoint's 50257 tokens
     assert cfg["always_save_checkpoint"] is False and cfg["decay_lr"] is False

@@ -1,4 +1,4 @@
-"""What a run records (runlog.py): log.jsonl, and nanoGPT's wandb_log, tested with a stand-in wandb module
+"""What a run records (helpers/runlog.py): log.jsonl, and nanoGPT's wandb_log, tested with a stand-in wandb module
 (no network, no account; the real one is not a dependency)."""
 
 import importlib.util
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-import runlog
-import stopping
+from helpers import runlog
+from helpers import stopping
 import train
 from test_train import ROOT, TINY, dataset, read_log  # noqa: F401 (dataset: test_train's fixture)
 

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-import checkpoint
-import data
-import errors
-import prepare
+from helpers import checkpoint
+from helpers import data
+from helpers import errors
+from helpers import prepare_data
 import sample
 import train
 
@@ -26,7 +26,7 @@ def out_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("sample")
     (root / "corpus.txt").write_text("".join(f"KING {i % 7}:\nO, that this too too solid flesh would melt!\n\n"
                                              for i in range(800)))
-    prepare.prepare(str(root / "data"), source=str(root / "corpus.txt"), tokenizer="char")
+    prepare_data.prepare(str(root / "data"), source=str(root / "corpus.txt"), tokenizer="char")
     out = str(root / "out")
     train.main(["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8",
                 "--gradient_accumulation_steps=1", "--max_iters=60", "--eval_interval=60", "--eval_iters=2",
@@ -98,7 +98,7 @@ def test_vocabulary_without_newline(tmp_path, capsys):
     """A character vocabulary from text with no newline: the default start ("\\n") falls back to the first
     token, both in the sample train.py prints and in sample.py; a --start it cannot encode names the characters."""
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 300)
-    prepare.prepare(str(tmp_path / "data"), source=str(tmp_path / "corpus.txt"), tokenizer="char")
+    prepare_data.prepare(str(tmp_path / "data"), source=str(tmp_path / "corpus.txt"), tokenizer="char")
     assert "\n" not in data.load_meta(str(tmp_path / "data"))["chars"]
     out = str(tmp_path / "out")
     train.main(["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-import data
-import prepare
-import runtime
-import settings
-import stopping
+from helpers import data
+from helpers import prepare_data
+from helpers import runtime
+from helpers import config
+from helpers import stopping
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ def write_corpus(path, n_lines=1500):
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     write_corpus(root / "corpus.txt")
-    prepare.prepare(str(root / "tiny"), source=str(root / "corpus.txt"), tokenizer="char")
+    prepare_data.prepare(str(root / "tiny"), source=str(root / "corpus.txt"), tokenizer="char")
     return str(root / "tiny")
 
 
@@ -77,6 +77,21 @@ def test_short_run_learns_and_writes_everything(dataset, tmp_path):
     assert ckpt["model_args"]["n_layer"] == 2 and ckpt["config"]["max_iters"] == 60
     assert set(ckpt["rng"][0]) == {"torch", "cuda", "numpy", "python", "batches"}
     assert not [f for f in os.listdir(out) if ".tmp" in f]
+
+
+def test_says_where_it_writes(dataset, tmp_path, capsys):
+    """Where the outputs go, said when the run starts and again, file by file, when it ends (an eval_only run writes
+    no checkpoint; always_save_checkpoint=False keeps the best one too)."""
+    out = str(tmp_path / "out")
+    run(dataset, out, "--max_iters=2", "--eval_interval=2", "--plot=True")
+    printed = capsys.readouterr().out
+    assert f"writing to {out}: ckpt.pt, log.jsonl, loss.png\n" in printed, printed
+    files = [os.path.join(out, name) for name in ("ckpt.pt", "log.jsonl", "loss.png")]
+    assert printed.rstrip().endswith(f"wrote {', '.join(files)}") and all(map(os.path.isfile, files)), printed
+    run(dataset, out, "--max_iters=2", "--eval_only=True", "--init_from=resume")
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {os.path.join(out, 'log.jsonl')}")
+    run(dataset, str(tmp_path / "best"), "--max_iters=2", "--eval_interval=2", "--always_save_checkpoint=False")
+    assert f"writing to {tmp_path / 'best'}: ckpt.pt, ckpt_best.pt, log.jsonl\n" in capsys.readouterr().out
 
 
 def test_resume_continues_exactly(dataset, tmp_path):
@@ -274,7 +289,7 @@ def gpt2_folder(tmp_path_factory):
 def bpe_dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("bpe")
     write_corpus(root / "corpus.txt", n_lines=300)
-    prepare.prepare(str(root / "bpe"), source=str(root / "corpus.txt"), tokenizer="gpt2")
+    prepare_data.prepare(str(root / "bpe"), source=str(root / "corpus.txt"), tokenizer="gpt2")
     return str(root / "bpe")
 
 
@@ -295,7 +310,7 @@ def test_init_from_a_gpt2_folder_trains_resumes_and_samples(gpt2_folder, bpe_dat
     expected = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "bias": True, "vocab_size": 50257,
                 "activation": "gelu_tanh", "mlp": "eager"}
     assert {k: ckpt["model_args"][k] for k in expected} == expected
-    assert {k: ckpt["config"][k] for k in settings.ARCH_KEYS} == {k: expected[k] for k in settings.ARCH_KEYS}
+    assert {k: ckpt["config"][k] for k in config.ARCH_KEYS} == {k: expected[k] for k in config.ARCH_KEYS}
 
     assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=3"])["iter_num"] == 3
     text = sample.main([f"--out_dir={out}", "--device=cpu", "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=5"])

@@ -1,6 +1,6 @@
 """Where start-up time goes on a GPU, and what a whole run costs: train.py runs of configs/shakespeare_char.py,
 fused and eager, each with cold caches (fresh Triton, Inductor and fused_ops tuning caches) and then warm (the
-same folders again), alternated. Each run's wall-clock time, its start-up line (startup.py), its median step
+same folders again), alternated. Each run's wall-clock time, its start-up line (helpers/timing.py), its median step
 time and its evaluations' seconds are collected, then a table with each variant's median and range.
 
     python lab/startup/breakdown.py --max_iters=500 --repeats=2

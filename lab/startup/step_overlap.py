@@ -18,8 +18,9 @@ import time
 
 import torch
 
-import data
-import runtime
+from helpers import data
+from helpers import prepare_data
+from helpers import runtime
 import train
 from model import GPT, GPTConfig
 
@@ -42,7 +43,7 @@ def main():
     p.add_argument("--compile", default="reduce-overhead")
     args = p.parse_args()
     cfg = {**train.DEFAULTS, "grad_clip": 1.0, "compile": args.compile}
-    data_dir = data.ensure_dataset("shakespeare_char")
+    data_dir = prepare_data.ensure_dataset("shakespeare_char")
     meta = data.load_meta(data_dir)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -21,8 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import errors
-import runtime
+from helpers import errors, runtime
 from model import GPT, GPTConfig
 
 KEYS = ("model", "optimizer", "model_args", "config", "meta", "iter_num", "best_val_loss", "rng")

@@ -10,7 +10,7 @@ import inspect
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import errors
+from helpers import errors
 import model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

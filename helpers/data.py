@@ -1,7 +1,8 @@
 """
-What training and sampling need of a prepared dataset: finding it (preparing a known one on first use),
-its tokenizer, its token ids, and random batches of them. Preparing a corpus is prepare.py's work
-(its sources are read by corpus.py); this module imports it only when a known dataset must be prepared.
+What training and sampling need of a prepared dataset: the known ones (DATASETS), whether a folder holds one,
+its tokenizer, its token ids, and random batches of them. Preparing a corpus is prepare_data.py's work
+(prepare.py is its command line, corpus.py reads the sources); this module never imports it (its ensure_dataset
+prepares a known dataset on first use).
 
 A prepared dataset is a directory with train.bin / val.bin (raw token ids, uint16 or uint32, read back with
 np.memmap) and meta.json (tokenizer + vocab).
@@ -19,9 +20,9 @@ import threading
 import numpy as np
 import tiktoken
 
-import errors
+from helpers import errors
 
-# known datasets that can be prepared offline, by name -> prepare.prepare() kwargs
+# known datasets that can be prepared offline, by name -> prepare_data.prepare() kwargs
 DATASETS = {
     "shakespeare_char": dict(source="shakespeare", tokenizer="char"),
     "shakespeare": dict(source="shakespeare", tokenizer="gpt2"),
@@ -137,25 +138,9 @@ def token_dtype(vocab_size):
 # -----------------------------------------------------------------------------
 # loading
 
-def _is_prepared(d):
+def is_prepared(d):
+    """Whether folder d holds a complete prepared dataset (meta.json is written last)."""
     return all(os.path.isfile(os.path.join(d, f)) for f in ("train.bin", "val.bin", "meta.json"))
-
-def ensure_dataset(name_or_dir, data_root="data"):
-    """Directory of a prepared dataset, preparing a known one on first use."""
-    target = os.path.join(data_root, name_or_dir)
-    for d in (name_or_dir, target):
-        if _is_prepared(d):
-            return d
-    if name_or_dir in DATASETS:
-        import prepare  # only here: training a prepared dataset never needs the preparation code
-        print(f"dataset {name_or_dir!r} not prepared yet, preparing it in {target}")
-        prepare.prepare(target, **DATASETS[name_or_dir])
-        return target
-    raise FileNotFoundError(
-        f"dataset {name_or_dir!r} not found: no train.bin/val.bin/meta.json in {name_or_dir!r} "
-        f"or {target!r}, and it is not a known dataset ({', '.join(sorted(DATASETS))}). "
-        f"Prepare custom data with: python prepare.py --source=PATH_OR_hf:NAME "
-        f"--tokenizer=char|gpt2 --out_dir={target}")
 
 def load_meta(data_dir):
     with open(os.path.join(data_dir, "meta.json"), encoding="utf-8") as f:
@@ -171,7 +156,7 @@ def load_tokens(data_dir, split, dtype=None):
 class Batches:
     """Random windows of the token files, drawn with a private generator so that the data order is
     reproducible and its exact position can be saved in a checkpoint (a global RNG would be shared with dropout).
-    torch is imported in the methods: prepare.py imports this module, and its workers need no torch (seconds)."""
+    torch is imported in the methods: prepare_data.py imports this module, and its workers need no torch (seconds)."""
 
     def __init__(self, data_dir, batch_size, block_size, device, seed):
         import torch
@@ -217,8 +202,3 @@ class Batches:
         xy[0], xy[1] = windows[:, :-1], windows[:, 1:]
         xy = xy.to(self.device, non_blocking=cuda)  # pinned + non_blocking: the copy overlaps the GPU's work
         return xy[0], xy[1]
-
-if __name__ == "__main__":  # the command moved: say where, rather than do nothing
-    print("data.py: error: preparing a dataset moved to prepare.py (same flags): python prepare.py --help",
-          file=sys.stderr)
-    sys.exit(2)  # errors.UsageError's status

@@ -14,7 +14,8 @@ What differs between the two layouts is handled here, once:
   (swiglu, ...) has no GPT-2 equivalent and is refused. fuse_ln is a way to compute, not a parameter: it exports.
 - vocabulary: training pads it (GPT-2's 50257 tokens to 50304, for speed); the rows past the dataset's vocabulary
   are never a target, so an export with the dataset's meta cuts them off. Logits of real tokens are unchanged.
-This module never imports transformers: it reads and writes the files itself.
+This module never imports transformers: it reads and writes the files itself. Nor does it import model.py: GPT's
+from_pretrained and save_pretrained call it, handing over the classes (imports point one way: model -> here).
 """
 
 import json
@@ -26,9 +27,7 @@ import threading
 import torch
 import torch.nn as nn
 
-import data
-import errors
-from model import GPTConfig
+from helpers import data, errors
 
 GPT2_NAMES = {  # our name -> its Hugging Face hub repository
     "gpt2": "openai-community/gpt2",  # 124M parameters
@@ -58,8 +57,9 @@ EXPORT_MARK = "<!-- a GPT-2 checkpoint written by GPT.save_pretrained (hf_gpt2.p
 # -----------------------------------------------------------------------------------------------------
 # reading: GPT.from_pretrained
 
-def from_pretrained(cls, name_or_path, **overrides):
-    """GPT.from_pretrained's work (see its docstring): a GPT of class cls with the checkpoint's weights."""
+def from_pretrained(cls, config_cls, name_or_path, **overrides):
+    """GPT.from_pretrained's work (see its docstring): a model of class cls (GPT), built from a config_cls
+    (GPTConfig) of the checkpoint's shape, with the checkpoint's weights."""
     unknown = sorted(set(overrides) - set(PRETRAINED_OVERRIDES))
     if unknown:
         raise errors.UsageError(f"from_pretrained: override {unknown[0]!r} is not allowed: the checkpoint fixes "
@@ -72,7 +72,7 @@ def from_pretrained(cls, name_or_path, **overrides):
         raise errors.UsageError(f"block_size={block_size!r}: GPT-2 from {name_or_path} has {n} positions "
                                 f"(n_positions in {config_file}); pass an integer in 1..{n}")
     try:  # GPT-2 has biases everywhere (zeros where our model had none)
-        config = GPTConfig(**shape, bias=True, **overrides)
+        config = config_cls(**shape, bias=True, **overrides)
     except ValueError as e:  # a bad mlp or dropout, fuse_ln with mlp="eager"
         raise errors.UsageError(str(e)) from e
     model = cls(config)

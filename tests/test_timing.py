@@ -1,4 +1,4 @@
-"""Where start-up time goes (startup.py), printed by train.py; and evaluation through the fused MLP's fastest
+"""Where a run's time goes (helpers/timing.py), printed by train.py; and evaluation through the fused MLP's fastest
 forward: under torch.no_grad() it writes no dh/dz and keeps nothing for a backward that never comes."""
 
 import re
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fused_ops
-import startup
+from helpers import timing
 import train
 from test_train import TINY, dataset  # noqa: F401 (dataset: test_train's fixture, the tiny char dataset)
 
@@ -20,27 +20,29 @@ def test_train_prints_where_start_up_went(dataset, tmp_path, capsys):
     assert len(lines) == 1, out  # once, after the steady steps
     line = lines[0]
     assert re.search(r"start-up \d+\.\d s to the first step: data \d+\.\d s, model \d+\.\d s; first 3 steps "
-                     r"\d+\.\d s \(.*the rest \(kernel compiles, CUDA graphs, allocation\) \d+\.\d s\); "
+                     r"\d+\.\d s \(.*the rest \(first calls, allocation\) \d+\.\d s\); "
                      r"then \d+\.\d ms a step; eval \d+\.\d\d s", line), line
+    assert not re.search(r"CUDA|GPU", out), out  # a CPU run: no GPU words
     s = summary["startup"]
     assert 0 < s["data"] < 60 and 0 < s["model"] < 60 and 0 < s["steady step"] < 10
     assert s["to first step"] >= s["data"] + s["model"]  # after both (and the eval at iter 0)
     assert 0 < s["first steps"] < 60
     assert "compile" not in s  # nothing was compiled (compile=False)
     evals = re.findall(r"iter (\d+): train loss \d\.\d{4}, val loss \d\.\d{4} \((\d+\.\d\d) s\)", out)
-    assert [int(i) for i, _ in evals] == [0, 6, 12] and all(float(t) > 0 for _, t in evals)
+    # each eval's time is printed (a tiny one on a fast CPU prints 0.00 s: only its presence is machine-independent)
+    assert [int(i) for i, _ in evals] == [0, 6, 12] and all(float(t) >= 0 for _, t in evals)
     # and once at the end, the whole run: its parts add up to its time (the rest is the loop's bookkeeping)
     runs = re.findall(r"^run (\d+\.\d) s: data \d+\.\d s, model \d+\.\d s, 12 steps (\d+\.\d) s \(median "
                       r"\d+\.\d ms\), 3 evals (\d+\.\d) s, (\d+) checkpoints (\d+\.\d) s, the rest (\d+\.\d) s$", out, re.M)
     assert len(runs) == 1, out
     total, steps, evals_s, n_ckpt, ckpt_s, rest = map(float, runs[0])
-    assert n_ckpt == 3 and steps > 0  # always_save_checkpoint: one per eval
+    assert n_ckpt == 3 and steps >= 0  # always_save_checkpoint: one per eval (steps: printed to 0.1 s, may read 0.0)
     assert total >= s["to first step"] and abs(s["data"] + s["model"] + steps + evals_s + ckpt_s + rest - total) < 0.5
 
 
 def test_a_short_run_reports_at_its_end(capsys):
     """Fewer steps than the steady ones: the breakdown still comes, once, from what there is."""
-    s = startup.Startup(master=True)
+    s = timing.RunTimer(master=True, device_type="cpu")
     for dt in (2.0, 0.5):
         s.step(dt)
     s.report()
