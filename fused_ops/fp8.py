@@ -50,7 +50,7 @@ saturate. Under no_grad (evaluation, sampling) the MLP runs the bf16 fused path.
 fp8_autograd.py runs all this as an autograd.Function, and inside torch.compile as two operators.
 
 Under the Triton interpreter (CPU tests), whose float -> FP8 conversion mis-rounds values that carry into
-the next binade and turns NaN into 384, the kernels encode FP8 by hand (fp8_quantize.py: round to nearest even
+the next binade and turns NaN into 384, the kernels encode FP8 by hand (casts.py: round to nearest even
 in fp32, then the bit fields); on a GPU the hardware conversion (round to nearest even) does it.
 """
 
@@ -61,10 +61,11 @@ import triton
 import triton.language as tl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from . import env
 from .activations import activation, activation_grad, kernel_activations
-from .fp8_quantize import quantize, to_fp16
+from .casts import quantize, to_fp16
 from .matmul import _capability, column_offsets, matmul_loop, needs_int64, tile_ids
-from .tuning import AUTOTUNE, INTERPRET, _config, cdiv, launch, launch_matmul, matmul_configs, tuned_config
+from .tuning import _config, cdiv, launch, launch_matmul, matmul_configs, tuned_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -77,7 +78,7 @@ def fp8_supported(device):
     """FP8 GEMMs need FP8 tensor cores (compute capability 8.9+), or the CPU interpreter (tests)."""
     if device.type == "cuda":
         return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= FP8_CAPABILITY
-    return INTERPRET and device.type == "cpu"
+    return env.INTERPRET and device.type == "cpu"
 
 
 def check_fp8_device(device, setting="fp8=True", instead="use fp8=False"):
@@ -417,7 +418,7 @@ def _padded(m):
 # cast_transpose_kernel's tile and warps (BLOCK_M, BLOCK_C, num_warps), by whether it also writes the row-major
 # copy: with it (h, gz: 12288 x 3072) 2 warps took 60 µs against 74 with 4; without (x, gy: 12288 x 768) 4 warps
 # were best (lab/fp8/cast_tiles.py on an H200, results/fp8_cast_tiles_h200.txt).
-CAST_TILE = {True: (32, 32, 4), False: (32, 32, 4)} if INTERPRET else {True: (64, 64, 2), False: (64, 64, 4)}
+CAST_TILE = {True: (32, 32, 4), False: (32, 32, 4)} if env.INTERPRET else {True: (64, 64, 2), False: (64, 64, 4)}
 
 
 def cast_transpose(x2, state, slot, row_major=False, inv_scales=None):
@@ -439,7 +440,7 @@ def _cast_transpose_into(x2, q, qt, scale, amax, row_major, Mp, transposed=True,
     source, destination = copy or (None, None)
     launch(cast_transpose_kernel, (cdiv(Mp, bm), cdiv(C, bc)),
            (x2, q, qt, scale, amax, M, C, Mp, x2.stride(0), source, destination),
-           dict(ROW_MAJOR=row_major, EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=bm, BLOCK_C=bc,
+           dict(ROW_MAJOR=row_major, EMULATE=env.INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=bm, BLOCK_C=bc,
                 TRANSPOSED=transposed, COPY=source.numel() if copy else 0), warps)
 
 
@@ -455,11 +456,11 @@ def fp8_configs(gated, dtype):
     """The candidate tiles of matmul_configs whose epilogue takes the whole tile, at most 128x128: the transposed
     copy goes through shared memory (tl.trans), and on an H100 with Triton 3.6 tl.trans of a half tile from
     split_columns stored wrong values."""
-    if INTERPRET:
+    if env.INTERPRET:
         return [_config(32, 32, 32, 4, 1, group_m=2, split=False)]
     configs = [c for c in matmul_configs(gated, dtype, all_configs=True)
                if not c.kwargs["SPLIT_EPILOGUE"] and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
-    return configs if AUTOTUNE else configs[:1]
+    return configs if env.AUTOTUNE else configs[:1]
 
 
 def fp8_linear_act(x8, w8, inv, bias, activation, state, dtype):
@@ -474,7 +475,7 @@ def fp8_linear_act(x8, w8, inv, bias, activation, state, dtype):
     args = (x8, w8, bias if bias is not None else saved, h8, saved, state.scale[H:], state.amax[H:], *inv,
             M, Mp, N, K, x8.stride(0), x8.stride(1), w8.stride(0), w8.stride(1), saved.stride(0))
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, ACC_DTYPE=tl.float32,
-                  PRECISION="ieee", INT64=needs_int64(x8, w8, saved, h8), TMA=False, B_KMAJOR=True, EMULATE=INTERPRET)
+                  PRECISION="ieee", INT64=needs_int64(x8, w8, saved, h8), TMA=False, B_KMAJOR=True, EMULATE=env.INTERPRET)
     key = ("fp8_linear_act", N, K, dtype, w8.stride(), x8.device, *consts.values())
     launch_matmul(fp8_linear_act_kernel, M, N, K, args, consts, gated, dtype, key, configs=fp8_configs(gated, dtype))
     return h8, transpose_fp8(h8, Mp, state), saved
@@ -490,7 +491,7 @@ def fp8_dgrad(gy8, w2, inv, saved, activation, state, bias_grad):
     gz8 = torch.empty((M, width), device=saved.device, dtype=E5M2)
     gzt8 = torch.empty((width, Mp), device=saved.device, dtype=E5M2)
     consts = dict(GATED=gated, BIAS_GRAD=bias_grad, ACC_DTYPE=tl.float32, PRECISION="ieee",
-                  INT64=needs_int64(gy8, w2, saved, gzt8), TMA=False, B_KMAJOR=False, EMULATE=INTERPRET)
+                  INT64=needs_int64(gy8, w2, saved, gzt8), TMA=False, B_KMAJOR=False, EMULATE=env.INTERPRET)
     key = ("fp8_dgrad", N, K, saved.dtype, w2.stride(), gy8.device, *consts.values())
     cfg = tuned_config(key)  # one row of column sums per row-tile (before tuning: of the smallest BLOCK_M)
     configs = fp8_configs(False, saved.dtype)

@@ -37,17 +37,16 @@ between Triton releases), they take over too, after one FallbackWarning.
 """
 
 import functools
-import os
 import types
 import warnings
 
 import torch
 
-from . import matmul
+from . import env, matmul
 from .activations import activation, activation_grad, gelu_and_grad_16bit, silu_and_grad
-from .fp8_quantize import quantize
+from .casts import quantize
 from .matmul import split_columns, tile_ids
-from .tuning import INTERPRET, _specialization, cdiv
+from .tuning import _specialization, cdiv
 
 try:  # Gluon is experimental and changes between Triton releases: anything missing turns this kernel off
     from triton.experimental import gluon
@@ -61,11 +60,10 @@ try:  # Gluon is experimental and changes between Triton releases: anything miss
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     if not hasattr(gl.shared_memory_descriptor, "reinterpret"):  # (Triton 3.6 names it _reinterpret)
         gl.shared_memory_descriptor.reinterpret = gl.shared_memory_descriptor._reinterpret
-    AVAILABLE = hasattr(gl, "warp_specialize") and not INTERPRET
+    AVAILABLE = hasattr(gl, "warp_specialize") and not env.INTERPRET
 except (ImportError, AttributeError):  # a Triton without (this) Gluon: the Triton kernels do everything
     AVAILABLE = False
 
-ENABLED = os.environ.get("FUSED_OPS_PINGPONG", "1") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a consumer's MMA tile: two warpgroups of 64 rows each
 PART = 32  # columns per TMA store (and per step of the epilogue's math)
 # (EPILOGUE, GATED) -> (ring slots of 32 KB, staging tiles of [BLOCK_M, PART] = 8 KB, half per consumer).
@@ -440,7 +438,7 @@ def usable(a, matrices, vectors=(), split=None):
     split: a gated op's column count N, where its [gate | up] matrices are cut in two (each half's start
     16-byte aligned)."""
     fp8_in = a.dtype in FP8_DTYPES
-    if not (AVAILABLE and ENABLED and (a.dtype in SIXTEEN_BIT or fp8_in) and a.is_cuda):
+    if not (AVAILABLE and env.PINGPONG and (a.dtype in SIXTEEN_BIT or fp8_in) and a.is_cuda):
         return False
     device = a.device
     if not (matmul.tma_available(device) and matmul._capability(device.index)[0] == 9):

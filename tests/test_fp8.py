@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import model
 import runtime
 import settings
-from fused_ops import fp8, fp8_autograd
+from fused_ops import env, fp8, fp8_autograd
 from fused_ops.fp8 import E4M3, E5M2, FP8_MAX, FP8State
 from fused_ops.fp8_autograd import fp8_mlp
 
@@ -397,7 +397,7 @@ def test_fp8_needs_16_bit_activations_and_fp8_tensor_cores(monkeypatch):
     fc, proj = make_mlp(32, 64, "gelu", torch.float32, "cpu")
     with pytest.raises(TypeError, match="16-bit activations"):
         fp8_mlp(torch.randn(4, 32, requires_grad=True), fc, proj, "gelu", FP8State())
-    monkeypatch.setattr(fp8, "INTERPRET", False)  # a CPU without the interpreter: no FP8 tensor cores
+    monkeypatch.setattr(env, "INTERPRET", False)  # a CPU without the interpreter: no FP8 tensor cores
     with pytest.raises(RuntimeError, match="FP8 tensor cores .*compute capability 8.9"):
         fp8_mlp(torch.randn(4, 32, dtype=torch.float16, requires_grad=True), fc.half(), proj.half(), "gelu", FP8State())
     with pytest.raises(Exception, match="--fp8=True needs FP8 tensor cores"):

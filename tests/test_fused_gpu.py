@@ -29,7 +29,7 @@ def test_forward_and_dgrad_large_and_odd(dtype, act, M, K, N, main_loop, monkeyp
     so that shape takes the pointer loop either way); "pointer" forces the pointer loop."""
     import fused_ops.matmul
 
-    monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "auto" if main_loop == "auto" else "0")
+    monkeypatch.setattr(fused_ops.env, "TMA_MODE", "auto" if main_loop == "auto" else "0")
     gated = act in GATED_ACTIVATIONS
     rows = (2 if gated else 1) * N
     x = torch.randn(M, K, device="cuda", dtype=dtype)
@@ -57,8 +57,8 @@ def test_direct_launch_across_specializations(act, main_loop, monkeypatch):
     import fused_ops.pingpong
     import fused_ops.tuning as tuning
 
-    monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "auto" if main_loop == "auto" else "0")
-    monkeypatch.setattr(fused_ops.pingpong, "ENABLED", False)  # the Triton kernels' plans are under test
+    monkeypatch.setattr(fused_ops.env, "TMA_MODE", "auto" if main_loop == "auto" else "0")
+    monkeypatch.setattr(fused_ops.env, "PINGPONG", False)  # the Triton kernels' plans are under test
     monkeypatch.setattr(tuning, "_plans", {})
     K, N, dtype = 256, 384, torch.bfloat16
     rows = (2 if act in GATED_ACTIVATIONS else 1) * N

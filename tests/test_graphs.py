@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fused_ops.graphs as graphs
+from fused_ops import env
 from fused_ops import MLPGraphs, fused_mlp_layers, layers_as_function
 from model import GPT, GPTConfig
 
@@ -417,7 +418,7 @@ def test_whole_gpt_with_graphs_equals_without(monkeypatch, fp8):
                     fp8=fp8)
     losses = []
     for enabled in (False, True):
-        monkeypatch.setattr(graphs, "ENABLED", enabled)
+        monkeypatch.setattr(env, "GRAPHS", enabled)
         torch.manual_seed(0)
         model = GPT(cfg).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from fused_ops import linear_act_dgrad, linear_act_forward, pingpong
+from fused_ops import env, linear_act_dgrad, linear_act_forward, pingpong
 from model import GATED_ACTIVATIONS
 from numerics import check_dgrad, check_linear_act, poisoned
 
@@ -273,9 +273,9 @@ def test_failed_pingpong_falls_back_with_one_warning(act, monkeypatch):
     tried again. (On CPU through the interpreter, with the Hopper path forced; on a GPU for real tensors.)"""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    monkeypatch.setattr(pingpong, "ENABLED", False)
+    monkeypatch.setattr(env, "PINGPONG", False)
     expected = fused_mlp_fwd_bwd(act, device, dtype)  # the Triton kernels alone
-    monkeypatch.setattr(pingpong, "ENABLED", True)
+    monkeypatch.setattr(env, "PINGPONG", True)
     attempts = force_hopper_path(monkeypatch)
     with pytest.warns(pingpong.FallbackWarning, match="stand-in for a Gluon compile error") as caught:
         got = fused_mlp_fwd_bwd(act, device, dtype)
@@ -291,9 +291,9 @@ def test_failed_pingpong_dgrad_falls_back(monkeypatch):
     """The same when the forward ran elsewhere and the first failure is the dgrad's."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    monkeypatch.setattr(pingpong, "ENABLED", False)
+    monkeypatch.setattr(env, "PINGPONG", False)
     expected = fused_mlp_fwd_bwd("gelu", device, dtype)
-    monkeypatch.setattr(pingpong, "ENABLED", True)
+    monkeypatch.setattr(env, "PINGPONG", True)
     attempts = force_hopper_path(monkeypatch)
     monkeypatch.setattr(pingpong, "linear_act_forward", lambda *args: False)  # the forward: Triton's, no warning
     with pytest.warns(pingpong.FallbackWarning) as caught:
@@ -309,9 +309,9 @@ def test_failed_pingpong_dgrad_falls_back(monkeypatch):
 def test_failed_pingpong_compile_falls_back_on_gpu(monkeypatch):
     """On a Hopper GPU, a real failure of the kernel's compilation (a ring of 12 slots: more shared memory than
     an H100 block has, as a Triton that lays out memory differently could ask) falls back the same way."""
-    monkeypatch.setattr(pingpong, "ENABLED", False)
+    monkeypatch.setattr(env, "PINGPONG", False)
     expected = fused_mlp_fwd_bwd("gelu", "cuda", torch.bfloat16)
-    monkeypatch.setattr(pingpong, "ENABLED", True)
+    monkeypatch.setattr(env, "PINGPONG", True)
     monkeypatch.setattr(pingpong, "FAILURE", None)
     monkeypatch.setattr(pingpong, "_compiled", {})
     real = pingpong._blocks_and_consts
