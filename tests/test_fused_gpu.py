@@ -54,7 +54,7 @@ def test_direct_launch_across_specializations(act, main_loop, monkeypatch):
     16-byte-misaligned x, a padded row stride, an fp32 output, bias or saved tensor) must each get a kernel
     compiled for them, never reuse one compiled under other assumptions."""
     import fused_ops.matmul
-    import fused_ops.pingpong
+    import fused_ops.hopper.pingpong
     import fused_ops.tuning as tuning
 
     monkeypatch.setattr(fused_ops.env, "TMA_MODE", "auto" if main_loop == "auto" else "0")
@@ -186,7 +186,7 @@ def test_nan_and_inf_through_the_16bit_kernels(dtype, act, special, monkeypatch)
     """Non-finite values in a few rows of x: output and every gradient NaN / inf exactly where the math puts them.
     At this size (16-byte aligned rows, 16-bit) a Hopper GPU runs the forward in the ping-pong kernel, whose
     epilogues (its GELU polynomial included) are under test there: asserted by counting its launches."""
-    from fused_ops import pingpong
+    from fused_ops.hopper import pingpong
 
     launches = []
     real = pingpong._launch
