@@ -145,47 +145,42 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
         self.kind, self.fuse_ln = config.mlp, config.fuse_ln
-        if self.kind != "eager" and import_fused_ops(required=self.kind == "fused") is None:
-            self.kind = "eager"  # "auto" without Triton
-        self.fp8 = fused_ops.FP8State() if config.fp8 else None  # its delayed scales (not saved in checkpoints)
-        # Uncompiled, the fused MLP's launches cost the host more than its kernels take: CUDA graphs replay them
-        self.graphs = fused_ops.MLPGraphs(keep=self.fp8) if self.kind != "eager" else None
+        fused_ops = import_fused_ops(required=self.kind == "fused") if self.kind != "eager" else None
+        if fused_ops is None:
+            self.kind = "eager"  # (also "auto" without Triton)
+        self.fp8 = fused_ops.FP8State() if config.fp8 and fused_ops else None  # its delayed scales (not saved)
+        # The path, picked once: a runner of fused_ops (which owns its CUDA graphs), or the PyTorch below.
+        if self.kind == "eager":
+            self.path = self.eager
+        elif self.fp8 is not None:
+            self.path = fused_ops.FP8MLP(self.activation, self.fp8)
+        elif self.kind == "fused":
+            self.path = fused_ops.FusedMLP(self.activation, self.fuse_ln)
+        else:  # "auto": the kernels where they can run on x's device, this PyTorch elsewhere
+            self.path = fused_ops.AutoMLP(fused_ops.FusedMLP(self.activation, self.fuse_ln), self.eager)
 
     def forward(self, x, norm=None):
-        if self.fp8 is not None:
-            if (self.graphs is not None and fused_ops.fp8_graphs_usable(x, self.fp8)
-                    and (norm is None or type(norm) is nn.LayerNorm)):
-                fp8, tensors = fused_ops.fp8_layers_as_function(self.c_fc, self.c_proj, self.activation, norm, self.fp8)
-                return self.dropout(self.graphs(fp8, x, tensors))
-            y = fused_ops.fp8_mlp(x if norm is None else norm(x), self.c_fc, self.c_proj, self.activation, self.fp8)
-            return self.dropout(y)
-        if self.kind == "fused" or (self.kind == "auto" and fused_ops.kernels_can_run(x)):
-            fused, tensors = fused_ops.layers_as_function(self.c_fc, self.c_proj, self.activation, norm, self.fuse_ln)
-            if self.graphs is not None and fused_ops.graphs_usable(x) and (norm is None or type(norm) is nn.LayerNorm):
-                return self.dropout(self.graphs(fused, x, tensors))
-            return self.dropout(fused(x, *tensors))
-        h = self.c_fc(x if norm is None else norm(x))
+        return self.dropout(self.path(x, self.c_fc, self.c_proj, norm))
+
+    def eager(self, x, c_fc, c_proj, norm=None):
+        """The reference path, plain PyTorch: c_proj(act(c_fc(norm(x))))."""
+        h = c_fc(x if norm is None else norm(x))
         if self.gated:
             h = GATED_ACTIVATIONS[self.activation](*h.chunk(2, dim=-1))
         else:
             h = PLAIN_ACTIVATIONS[self.activation](h)
-        return self.dropout(self.c_proj(h))
-
-
-fused_ops = None  # the Triton kernels' package, imported by the first MLP that asks for it (it imports Triton)
+        return c_proj(h)
 
 
 def import_fused_ops(required):
-    """Import fused_ops once. Without Triton: an ImportError if required (mlp="fused"), else None."""
-    global fused_ops
-    if fused_ops is None:
-        try:
-            import fused_ops as module
-        except ImportError as e:
-            if required:
-                raise ImportError(f"mlp='fused' needs Triton ({e}); install it or set mlp='eager' or 'auto'") from e
-            return None
-        fused_ops = module
+    """The fused_ops package, imported when first asked for (it imports Triton; model.py runs without it).
+    Without Triton: an ImportError if required (mlp="fused"), else None."""
+    try:
+        import fused_ops
+    except ImportError as e:
+        if required:
+            raise ImportError(f"mlp='fused' needs Triton ({e}); install it or set mlp='eager' or 'auto'") from e
+        return None
     return fused_ops
 
 

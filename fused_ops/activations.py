@@ -7,16 +7,16 @@ Model-level names map to kernel names here: a plain activation is one name; a ga
 (gate activation, up activation), out = gate_act(gate) * up_act(up).
 """
 
-import os
-
 import triton
 import triton.language as tl
+
+from . import env
 
 # silu_and_grad (the gated ping-pong epilogue's) uses the GPU's approximate exp2 and reciprocal with subnormals
 # flushed: one MUFU instruction each, where tl.exp and a division add range fix-ups for subnormal results (a compare, a
 # select and a multiply each): 14% fewer instructions in the gated FP8 forward (lab/sass_stats.py). Flushing moves
 # only results below 2^-126 (~1e-38). Under the interpreter (CPU), plain Triton.
-_FLUSH_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+_FLUSH_ASM = tl.constexpr(not env.INTERPRET)
 
 
 @triton.jit

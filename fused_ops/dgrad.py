@@ -18,7 +18,7 @@ import triton.language as tl
 from .activations import kernel_activations
 from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
                      tile_ids, tma_operands)
-from . import pingpong, tuning
+from . import backends, tuning
 from .tuning import launch_matmul
 
 
@@ -88,11 +88,9 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
     sum_dtype = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
     if M == 0:
         return out, (torch.zeros(saved.shape[1], device=saved.device, dtype=sum_dtype) if bias_grad else None)
-    if (pingpong.takes_dgrad(gated, K, bias_grad)
-            and pingpong.usable(grad_y, (w2, saved, out), split=N if gated else None)):
-        ran, grad_bias = pingpong.dgrad(grad_y, w2, saved, out, gated, bias_grad)  # Hopper, 16-bit: see pingpong.py
-        if ran:  # (else that kernel failed: the Triton one below runs)
-            return out, grad_bias
+    grad_bias = backends.run("dgrad", grad_y, w2, saved, out, gated, bias_grad)  # Hopper: hopper/dispatch.py
+    if grad_bias is not NotImplemented:  # (else no backend takes it, or it failed: the Triton kernel below runs)
+        return out, grad_bias
     descriptors, b_kmajor = tma_operands(grad_y, w2)
     consts = dict(GATED=gated, BIAS_GRAD=bias_grad,
                   ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(grad_y, w2, saved, out),

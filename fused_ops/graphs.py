@@ -45,13 +45,13 @@ What keeps it exact, and what it costs:
 """
 
 import contextlib
-import os
 import warnings
 import weakref
 
 import torch
 
-ENABLED = os.environ.get("FUSED_OPS_GRAPHS", "1") != "0"
+from . import env
+
 MAX_SHAPES = 4  # captured shapes per layer (training, evaluation, sampling's prompt and its one-token steps)
 _failed = False  # set by a failed capture: the plain path from then on
 
@@ -64,7 +64,7 @@ def _holders(t):
 def graphs_usable(x):
     """Whether the graphs may run here: CUDA tensors, outside torch.compile, inference mode (its tensors cannot be
     copied into later) and someone else's capture."""
-    return (ENABLED and not _failed and x.is_cuda and not torch.compiler.is_compiling()
+    return (env.GRAPHS and not _failed and x.is_cuda and not torch.compiler.is_compiling()
             and not torch.is_inference_mode_enabled() and not torch.cuda.is_current_stream_capturing())
 
 

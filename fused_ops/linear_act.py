@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pingpong
+from . import backends
 from .activations import activation, activation_grad, kernel_activations
 from .layernorm import layernorm_stats
 from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
@@ -135,9 +135,9 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
     ln_weight, ln_bias, stats = ln if ln is not None else (None, None, None)
     if M == 0:
         return out, (saved if save else None), stats
-    if (ln is None and pingpong.usable(x, (weight, out, saved if save else None), (bias,), N if gated else None)
-            and pingpong.linear_act_forward(x, weight, bias, act, up_act, gated, save, out, saved)):
-        return out, (saved if save else None), stats  # Hopper, 16-bit (False if that kernel failed: Triton's below)
+    if ln is None and backends.run("linear_act", x, weight, bias, act, up_act, gated, save, out,
+                                   saved) is not NotImplemented:
+        return out, (saved if save else None), stats  # a fast backend ran it (Hopper, 16-bit: hopper/dispatch.py)
     # The TMA loop reads x and W.T through descriptors, in either orientation of W at the same speed
     # (lab/results/profile_mlp_h100.txt).
     # The LayerNorm fold normalizes x's tiles in registers, so it keeps the pointer loop.

@@ -10,10 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quantize import to_fp16
-from .tuning import INTERPRET, TMA_MODE, TensorDescriptor
+from . import env
+from .casts import to_fp16
+from .tuning import TensorDescriptor
 
-EMULATE_FP8 = tl.constexpr(INTERPRET)  # (to_fp16)
+EMULATE_FP8 = tl.constexpr(env.INTERPRET)  # (to_fp16)
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
     LayerNorm then Linear would round it: rounding the raw row first (to 16 bits, under autocast) would
     keep only the digits of its mean when the mean is large against the spread.
 
-    With UPCAST (FP8 operands, fp8.py's Triton kernels), each tile is converted to fp16 before the dot: exact
+    With UPCAST (FP8 operands, fp8/kernels.py's Triton kernels), each tile is converted to fp16 before the dot: exact
     (every e4m3 and e5m2 value is an fp16 value), so the products are exact as in an FP8 MMA, and the same code
     runs under the interpreter and on any GPU. Returns (acc, acc2).
     """
@@ -143,10 +144,10 @@ def column_offsets(pid_n, BLOCK_N: tl.constexpr, PART: tl.constexpr, PARTS: tl.c
 
 def tma_available(device):
     """The TMA main loop needs a Hopper (or newer) GPU, or the interpreter when FUSED_OPS_TMA=1 (tests)."""
-    if TensorDescriptor is None or TMA_MODE == "0":
+    if TensorDescriptor is None or env.TMA_MODE == "0":
         return False
-    if INTERPRET:
-        return TMA_MODE == "1"
+    if env.INTERPRET:
+        return env.TMA_MODE == "1"
     return device.type == "cuda" and _capability(device.index) >= (9, 0)
 
 

@@ -20,16 +20,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import env
 from .activations import kernel_activations
 from .ops import dgrad_op, fused_op, layernorm_backward_op, linear_act_op, ln_linear_act_op
-from .tuning import INTERPRET
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: interpreter only
 
 
 def kernels_can_run(x):
     """The Triton kernels take CUDA tensors, or CPU tensors under the interpreter (TRITON_INTERPRET=1)."""
-    return x.is_cuda or (INTERPRET and x.device.type == "cpu")
+    return x.is_cuda or (env.INTERPRET and x.device.type == "cpu")
 
 
 def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None, fold_ln=False):

@@ -15,7 +15,7 @@ killed, the parent compiles as it would have, and nothing of the child's reaches
 
 The child never tunes (FUSED_OPS_AUTOTUNE=0, no tuning cache): tile choices timed while the parent uses the same
 GPU could be wrong, and would be kept. Where a kernel is tuned (the Triton path, not Hopper's ping-pong kernels)
-the parent waits for the child before it times anything (wait(), called by tuning.py), then tunes as before; the
+the parent waits for the child before it times anything (wait(), which this module adds to tuning.BEFORE_TIMING), then tunes as before; the
 child has compiled one of its candidates.
 
 FUSED_OPS_PRECOMPILE=0 turns it off.
@@ -29,7 +29,9 @@ import sys
 
 import torch
 
-ENABLED = os.environ.get("FUSED_OPS_PRECOMPILE", "1") != "0"
+from . import env, tuning
+from .mlp import fused_mlp_layers
+
 _children = []  # started and maybe still running: stopped when the parent exits
 
 
@@ -46,16 +48,16 @@ def mlp_spec(c_fc, c_proj, activation, norm, fuse_ln, tokens, autocast_dtype):
 
 def start(spec, device):
     """Launch the child compiling spec's kernels on `device`; returns its Popen, or None when turned off."""
-    if not ENABLED:
+    if not env.PRECOMPILE:
         return None
     _children[:] = [c for c in _children if c.poll() is None]  # (finished ones reaped)
     if str(device).startswith("cuda"):  # the parent's CUDA context first: under an exclusive compute mode a
         torch.zeros(1, device=device)   # child that got there first would lock the run out of its own GPU
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "FUSED_OPS_AUTOTUNE": "0", "FUSED_OPS_TUNING_CACHE": "0",
+    child_env = {**os.environ, "FUSED_OPS_AUTOTUNE": "0", "FUSED_OPS_TUNING_CACHE": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
     command = "import sys, fused_ops.precompile as p; p.main(*sys.argv[1:])"
-    child = subprocess.Popen([sys.executable, "-c", command, json.dumps(spec), str(device)], env=env,
+    child = subprocess.Popen([sys.executable, "-c", command, json.dumps(spec), str(device)], env=child_env,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _children.append(child)
     return child
@@ -70,6 +72,13 @@ def wait(timeout=120.0):
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+
+
+def _before_timing():  # (wait looked up when called: a test replaces it)
+    wait()
+
+
+tuning.BEFORE_TIMING.append(_before_timing)
 
 
 @atexit.register
@@ -90,7 +99,6 @@ def compile_kernels(spec, device):
     x = torch.randn(spec["tokens"], spec["C"], device=device, dtype=dtype)
     autocast = torch.autocast(torch.device(device).type, dtype=getattr(torch, spec["autocast"] or "float32"),
                               enabled=spec["autocast"] is not None)
-    from .mlp import fused_mlp_layers
     with autocast:
         with torch.no_grad():
             fused_mlp_layers(x, fc, proj, spec["activation"], norm, spec["fuse_ln"])

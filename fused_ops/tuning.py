@@ -10,7 +10,7 @@ tuning again. And after the first call a launch is a dict lookup and a call of t
 kernel takes on the GPU (measured in docs/performance.md). TUNING_LOG records what was tuned, the choice
 and how long it took.
 
-The choices are kept on disk (FUSED_OPS_TUNING_CACHE, default ~/.cache/fused_ops/tuning.json; "0" turns it
+The choices are kept on disk (FUSED_OPS_TUNING_CACHE, see env.py; default ~/.cache/fused_ops/tuning.json; "0" turns it
 off), keyed by the GPU, the Triton version and the tuning key: tuning is paid once per machine, and a later
 run compiles only the chosen config instead of compiling and timing every candidate.
 
@@ -30,23 +30,19 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from . import env
+
 try:  # host-side tensor descriptors (Triton >= 3.4); without them every kernel uses the pointer loop
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     TensorDescriptor = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-AUTOTUNE = os.environ.get("FUSED_OPS_AUTOTUNE", "1") == "1"
-# The TMA main loop (see matmul.matmul_loop): "auto" uses it on Hopper+ GPUs when the operands allow,
-# "0" never, "1" also under the interpreter (the CPU tests use it to check that path).
-TMA_MODE = os.environ.get("FUSED_OPS_TMA", "auto")
 TRANSPOSE_WEIGHT_MIN_M = 2048  # rows of x from which the pointer-loop forward reads an N-major copy of W
 LAYERNORM_ROWS_PER_PROGRAM = 16  # rows one LayerNorm-backward program walks, summing its share of dγ, dβ
-# FUSED_OPS_DIRECT_LAUNCH=0 launches every kernel through Triton's JIT instead of a kept compiled kernel.
-DIRECT_LAUNCH = os.environ.get("FUSED_OPS_DIRECT_LAUNCH", "1") == "1"
 TUNING_LOG = []  # (kernel name, key, chosen config, seconds spent tuning)
-TUNING_CACHE = os.environ.get("FUSED_OPS_TUNING_CACHE", os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fused_ops", "tuning.json"))
+# Run before any candidate is timed (precompile.py adds its wait: a child compiling on the same GPU would skew the
+# timings that are kept). Hooks, so that this module needs nothing of the speed machinery above it.
+BEFORE_TIMING = []
 _plans = {}  # tuning key -> LaunchPlan
 
 
@@ -67,7 +63,7 @@ def matmul_configs(gated=False, dtype=None, all_configs=False):
     8-warp one capped at 128 registers a thread beside the larger tiles. Which wins depends on the GPU and
     the shape, so all are timed (docs/performance.md has what was measured). all_configs: every candidate even
     when FUSED_OPS_AUTOTUNE=0 (which keeps the first)."""
-    if INTERPRET:
+    if env.INTERPRET:
         return [_config(32, 32, 32, 4, 1, group_m=2)]
     if gated:
         configs = [
@@ -97,7 +93,7 @@ def matmul_configs(gated=False, dtype=None, all_configs=False):
         # (more than an H100 has, for a 128x256 tile): the whole-tile epilogue there.
         configs = [_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], 32, c.num_warps, c.num_stages,
                            c.kwargs["GROUP_M"], c.maxnreg, split=False) for c in configs]
-    return configs if AUTOTUNE or all_configs else configs[:1]
+    return configs if env.AUTOTUNE or all_configs else configs[:1]
 
 
 def cdiv(a, b):
@@ -108,7 +104,7 @@ def cdiv(a, b):
 
 def row_kernel_warps(block):
     """Warps for a kernel that holds one row of `block` elements: enough threads to load it in 16-byte pieces."""
-    return 1 if INTERPRET else min(16, max(4, block // 256))
+    return 1 if env.INTERPRET else min(16, max(4, block // 256))
 
 
 def run_config(kernel, M, N, K, args, consts, cfg, descriptors=()):
@@ -139,7 +135,7 @@ def _grid_and_args(cfg, M, N, args, descriptors):
 
 def _jit_launch(kernel, grid, args, constexprs, cfg):
     """Launch through Triton's JIT (compiling on first use); maxnreg is passed only where a config sets it."""
-    options = {} if getattr(cfg, "maxnreg", None) is None or INTERPRET else {"maxnreg": cfg.maxnreg}
+    options = {} if getattr(cfg, "maxnreg", None) is None or env.INTERPRET else {"maxnreg": cfg.maxnreg}
     return kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options)
 
 
@@ -178,7 +174,7 @@ class LaunchPlan:
         # every parameter in order: ours put the runtime arguments first, then exactly these constexprs.
         names = list(getattr(kernel, "arg_names", []))
         tail = names[len(names) - len(self.consts):]
-        self.direct = DIRECT_LAUNCH and not INTERPRET and sorted(tail) == sorted(self.consts)
+        self.direct = env.DIRECT_LAUNCH and not env.INTERPRET and sorted(tail) == sorted(self.consts)
         self.const_values = [self.consts[n] for n in tail] if self.direct else None
 
     def launch(self, M, N, args, descriptors=()):
@@ -236,8 +232,8 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=
                 run_config(kernel, M, N, K, args, consts, c, descriptors)
             except Exception:  # (timed below as failing)
                 pass
-        from . import precompile  # ...and must be done before anything is timed (precompile.py)
-        precompile.wait()
+        for hook in BEFORE_TIMING:  # ...and whatever must be done before anything is timed (precompile.py)
+            hook()
         times = []
         for c in configs:
             try:
@@ -271,7 +267,7 @@ def _describe(cfg):
 
 def _read_cache():
     try:
-        with open(TUNING_CACHE) as f:
+        with open(env.TUNING_CACHE) as f:
             cache = json.load(f)
         return cache if isinstance(cache, dict) else {}
     except (OSError, ValueError):  # none yet, unreadable or damaged: tune again (and write a new one)
@@ -280,7 +276,7 @@ def _read_cache():
 
 def _cached_choice(entry, configs):
     """The config an earlier run chose for this entry (_cache_entry), if it is still a candidate."""
-    if TUNING_CACHE == "0":
+    if env.TUNING_CACHE == "0":
         return None
     chosen = _read_cache().get(entry)
     return next((c for c in configs if chosen is not None and _describe(c) == chosen), None)
@@ -290,15 +286,15 @@ def _remember(entry, cfg):
     """Add a choice to the cache file: read again, merged, written to a temp file and renamed. A reader never sees
     half a file; processes tuning at the same moment (DDP ranks) may drop each other's new entries, which are
     then tuned again next time."""
-    if TUNING_CACHE == "0":
+    if env.TUNING_CACHE == "0":
         return
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(TUNING_CACHE)), exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(env.TUNING_CACHE)), exist_ok=True)
         cache = {**_read_cache(), entry: _describe(cfg)}
-        tmp = f"{TUNING_CACHE}.tmp{os.getpid()}"
+        tmp = f"{env.TUNING_CACHE}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(cache, f, indent=0, sort_keys=True)
-        os.replace(tmp, TUNING_CACHE)
+        os.replace(tmp, env.TUNING_CACHE)
     except OSError:  # a read-only home, a full disk: the run goes on, and tunes again next time
         pass
 

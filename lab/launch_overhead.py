@@ -29,7 +29,8 @@ from triton.testing import do_bench
 
 from fused_ops import linear_act_dgrad, linear_act_forward
 from fused_ops import mlp as fused_mlp_module
-from fused_ops import pingpong, tuning
+from fused_ops import tuning
+from fused_ops.hopper import pingpong
 from fused_ops.matmul import TensorDescriptor
 from fused_ops.ops import dgrad_op, linear_act_op
 from model import GPTConfig, MLP
@@ -263,7 +264,7 @@ def compile_boundary(rounds):
     so that what the compiled graph adds shows by name. Run with TORCH_LOGS=output_code to see its code."""
     from bench_mlp import graphed_fwd_bwd
 
-    from fused_ops import pingpong
+    from fused_ops.hopper import pingpong
     dt, M, C = torch.bfloat16, 12288, 768
     print(versions())
     for act in ("gelu", "swiglu"):

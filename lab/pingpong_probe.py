@@ -1,4 +1,4 @@
-"""The Gluon ping-pong kernel (fused_ops/pingpong.py) against cuBLAS and the Triton kernels, on a GPU.
+"""The Gluon ping-pong kernel (fused_ops/hopper/pingpong.py) against cuBLAS and the Triton kernels, on a GPU.
 
 CUDA-graph replay times of the forward (with the saved derivative) and the dgrad, beside cuBLAS matmuls of
 the same shapes and the eager ops they replace, at GPT-2 small's MLP size unless told. (Correctness:
@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from triton.testing import do_bench_cudagraph
 
-from fused_ops import pingpong
+from fused_ops import env
+from fused_ops.hopper import pingpong
 from fused_ops.dgrad import linear_act_dgrad
 from fused_ops.linear_act import linear_act_forward
 from model import GATED_ACTIVATIONS, PLAIN_ACTIVATIONS, GPTConfig
@@ -49,11 +50,11 @@ def main():
 
     def triton_kernels(fn):  # the Triton kernels, with the ping-pong path switched off
         def run():
-            pingpong.ENABLED = False
+            env.PINGPONG = False
             try:
                 return fn()
             finally:
-                pingpong.ENABLED = True
+                env.PINGPONG = True
         return run
 
     def eager_dgrad():  # what backward does without the fused kernel: the matmul, then dh/dz applied

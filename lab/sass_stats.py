@@ -7,7 +7,7 @@ Triton version: use the one the GPU image runs (3.6 in 2026-11), in a virtual en
 machine's Triton (the one the CPU tests run) stays as it is:
 
     python3 -m venv --system-site-packages /tmp/t36 && /tmp/t36/bin/python -m pip install --no-deps triton==3.6.0
-    PYTHONPATH=. /tmp/t36/bin/python lab/sass_stats.py [--module fused_ops._probe_x] [--only fwd_gelu,dgrad_swiglu]
+    PYTHONPATH=. /tmp/t36/bin/python lab/sass_stats.py [--module fused_ops.hopper._probe_x] [--only fwd_gelu,dgrad_swiglu]
 
 Round 22 used it to compare epilogue variants before timing them (docs/performance.md): a spill count here is what
 the GPU's compile reports as well; whether a spill costs time, only the GPU says.
@@ -26,6 +26,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
+
+
+def fp8_launcher(mod, name):
+    """fused_ops/fp8/hopper.py's launcher `name`, launching mod's kernel (hopper/pingpong.py or a variant of it)."""
+    from fused_ops.fp8 import hopper as fp8_hopper
+
+    def run(*args):
+        kept, fp8_hopper.pingpong = fp8_hopper.pingpong, mod
+        try:
+            return getattr(fp8_hopper, name)(*args)
+        finally:
+            fp8_hopper.pingpong = kept
+    return run
 
 COUNTED = ("BAR.SYNC", "STS.U8", "STS.U16", "STS ", "STS.64", "STS.128", "STSM", "SHFL", "STL", "LDL", "MUFU")
 
@@ -59,10 +72,10 @@ def kernels(pp, M=12288, C=768):
     for act, gated, H in (("gelu", False, 4 * C), ("silu", True, 2048)):
         rows = 2 * H if gated else H
         tag = "swiglu" if gated else "gelu"
-        calls[f"fwd_{tag}"] = lambda act=act, gated=gated, H=H, rows=rows: pp.linear_act_forward_fp8(
+        calls[f"fwd_{tag}"] = lambda act=act, gated=gated, H=H, rows=rows: fp8_launcher(pp, "linear_act_forward_fp8")(
             e4m3(M, C), e4m3(rows, C), inv, None, act, e4m3(M, H), e4m3(H, M), bf16(M, rows), one, one, "identity",
             gated)
-        calls[f"dgrad_{tag}"] = lambda gated=gated, H=H, rows=rows: pp.dgrad_fp8(
+        calls[f"dgrad_{tag}"] = lambda gated=gated, H=H, rows=rows: fp8_launcher(pp, "dgrad_fp8")(
             e5m2(M, C), e4m3(H, C), inv, bf16(M, rows), e5m2(M, rows), e5m2(rows, M), False, one, one, gated)
         calls[f"fwd_{tag}_16bit"] = lambda act=act, gated=gated, H=H, rows=rows: pp.linear_act_forward(
             bf16(M, C), bf16(rows, C), None, act, "identity", gated, True, bf16(M, H), bf16(M, rows))
@@ -86,7 +99,7 @@ def stats(kernel):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--module", default="fused_ops.pingpong", help="pingpong.py or a variant of it")
+    p.add_argument("--module", default="fused_ops.hopper.pingpong", help="pingpong.py or a variant of it")
     p.add_argument("--only", default="", help="comma-separated kernel names (default: all)")
     a = p.parse_args()
     pp = importlib.import_module(a.module)

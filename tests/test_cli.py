@@ -126,16 +126,16 @@ def test_fused_mlp_without_triton_or_from_a_checkpoint(trained, tmp_path, monkey
 def test_fp8_names_what_it_needs_before_any_work(dataset, tmp_path, monkeypatch, capsys):
     """--fp8=True where it cannot run: one line naming the flag and the requirement, before any data, model or
     checkpoint: FP8 tensor cores (named before --mlp's own check, which they imply), then 16-bit activations."""
-    import fused_ops.fp8
+    import fused_ops.fp8.state
     import train
 
     out = tmp_path / "out"
     args = [*TINY, f"--dataset={dataset}", f"--out_dir={out}", "--mlp=fused", "--fp8=True"]
-    monkeypatch.setattr(fused_ops.fp8, "fp8_supported", lambda device: False)  # a CPU or an A100
+    monkeypatch.setattr(fused_ops.fp8.state, "fp8_supported", lambda device: False)  # a CPU or an A100
     assert errors.run_main("train.py", train.main, args + ["--dtype=float16"]) == 2
     assert capsys.readouterr().err.strip() == ("train.py: error: --fp8=True needs FP8 tensor cores (an NVIDIA Ada or "
                                                "Hopper GPU, compute capability 8.9+); the device is cpu: use --fp8=False")
-    monkeypatch.setattr(fused_ops.fp8, "fp8_supported", lambda device: True)  # as the interpreter: the dtype's turn
+    monkeypatch.setattr(fused_ops.fp8.state, "fp8_supported", lambda device: True)  # as the interpreter: the dtype's turn
     assert errors.run_main("train.py", train.main, args + ["--dtype=float32"]) == 2
     assert capsys.readouterr().err.strip() == (
         "train.py: error: --fp8=True needs 16-bit activations (its GEMMs take bf16 or fp16 inputs under autocast), "
@@ -169,9 +169,9 @@ def test_bf16_through_the_interpreter_is_refused(dataset, tmp_path, monkeypatch,
 def test_bench_checks_every_variant_before_timing(monkeypatch):
     """bench.py's --mlps and --dtype: one line naming the argument before the first variant is built."""
     import bench
-    import fused_ops.fp8
+    import fused_ops.fp8.state
 
-    monkeypatch.setattr(fused_ops.fp8, "fp8_supported", lambda device: True)
+    monkeypatch.setattr(fused_ops.fp8.state, "fp8_supported", lambda device: True)
     base = ["configs/shakespeare_char_cpu.py", "--device=cpu"]
     for extra, message in [(["--mlps=eager,bogus"], "--mlps=eager,bogus: 'bogus' is not one of eager, fused, auto, "
                                                     "fp8, torchao"),
@@ -182,7 +182,7 @@ def test_bench_checks_every_variant_before_timing(monkeypatch):
             monkeypatch.setattr(fused_ops, "kernels_can_run", lambda x: True)
         with pytest.raises(errors.UsageError, match=f"^{re.escape(message)}"):
             bench.parse_args(base + extra)
-    monkeypatch.setattr(fused_ops.fp8, "fp8_supported", lambda device: False)
+    monkeypatch.setattr(fused_ops.fp8.state, "fp8_supported", lambda device: False)
     with pytest.raises(errors.UsageError, match=r"^--mlps=fp8 needs FP8 tensor cores .*: leave fp8 out of --mlps$"):
         bench.parse_args(base + ["--mlps=fp8", "--dtype=float16"])
 

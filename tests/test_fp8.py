@@ -1,4 +1,4 @@
-"""The FP8 fused MLP (fused_ops/fp8.py): the recipe, the kernels and the model switch.
+"""The FP8 fused MLP (fused_ops/fp8/): the recipe, the kernels and the model switch.
 
 The yardstick is the recipe itself, not bf16: the same per-tensor scales applied by PyTorch (torch's
 round-to-nearest-even cast) on the same values, multiplied by torch._scaled_mm. Against a float64 MLP, the
@@ -14,14 +14,15 @@ import torch
 import torch.nn.functional as F
 
 import model
-from helpers import runtime
 from helpers import config as settings
-from fused_ops import fp8, fp8_autograd
+from helpers import runtime
+from fused_ops import env, fp8
 from fused_ops.fp8 import E4M3, E5M2, FP8_MAX, FP8State
-from fused_ops.fp8_autograd import fp8_mlp
+from fused_ops.fp8 import autograd as fp8_autograd, hopper as fp8_hopper, kernels as fp8_kernels, state as fp8_state
+from fused_ops.fp8.autograd import fp8_mlp
 
 CUDA = torch.cuda.is_available()
-needs_fp8_gpu = pytest.mark.skipif(not CUDA or not fp8.fp8_supported(torch.device("cuda")),
+needs_fp8_gpu = pytest.mark.skipif(not CUDA or not fp8_state.fp8_supported(torch.device("cuda")),
                                    reason="needs a GPU with FP8 tensor cores (sm_89+)")
 
 
@@ -150,7 +151,7 @@ def standin_pingpong(monkeypatch):
     (pingpong.linear_act_forward and dgrad with inv) computed by PyTorch in fp32 instead, so that what runs around
     them (the cast pass, the calibrating second run) is tested on CPU; test_pingpong.py tests the kernels on the GPU.
     Returns the list of stand-in calls."""
-    from fused_ops import pingpong
+    from fused_ops.hopper import pingpong
     calls = []
 
     def forward(x8, w8, bias, act, up_act, gated, save, out, saved, inv):
@@ -172,7 +173,7 @@ def standin_pingpong(monkeypatch):
         out.copy_(grad)
         return True, (grad.sum(0) if bias_grad else None)
     monkeypatch.setattr(pingpong, "usable", lambda *args, **kwargs: True)
-    monkeypatch.setattr(pingpong, "usable_fp8", lambda *args, **kwargs: False)
+    monkeypatch.setattr(fp8_hopper, "usable_fp8", lambda *args, **kwargs: False)
     monkeypatch.setattr(pingpong, "linear_act_forward", forward)
     monkeypatch.setattr(pingpong, "dgrad", dgrad)
     return calls
@@ -199,8 +200,8 @@ def check_under_autocast(device, dtype, C=32, hidden=64, M=40):
         y.float().square().mean().backward()
         assert fc.weight.grad.dtype == torch.float32 and torch.isfinite(fc.weight.grad).all()
         copies = state.weights(fc.weight, proj.weight)  # from the fp32 masters, not their fp16 copies
-        assert torch.equal(copies[0].float(), fp8.quantize_weight(fc.weight)[0].float())
-        assert torch.equal(copies[4].float(), fp8.quantize_weight(proj.weight)[1].float())
+        assert torch.equal(copies[0].float(), fp8_state.quantize_weight(fc.weight)[0].float())
+        assert torch.equal(copies[4].float(), fp8_state.quantize_weight(proj.weight)[1].float())
         exact = exact_mlp(x, fc.weight, fc.bias, proj.weight, proj.bias, "gelu", torch.zeros(M, C, device=device))[0]
         assert rel(y, exact) < 0.08  # (x, W1, h and W2 quantized: ~5%)
         fc.zero_grad()
@@ -214,12 +215,12 @@ def force_cast_after_kernels(monkeypatch, on):
         standin_pingpong(monkeypatch)
 
 
-@pytest.mark.filterwarnings("default::fused_ops.pingpong.FallbackWarning")
+@pytest.mark.filterwarnings("default::fused_ops.hopper.pingpong.FallbackWarning")
 def test_a_failed_fp8_epilogue_falls_back_to_the_cast_pass(monkeypatch):
     """Where the ping-pong kernels' FP8 epilogues would run (forced here) but fail to compile or launch, the
     16-bit outputs (stood in for) and the cast pass take over with the same result, after one warning; the FP8
     variants are not tried again, and the 16-bit ping-pong kernel is not turned off."""
-    from fused_ops import pingpong
+    from fused_ops.hopper import pingpong
 
     def two_calls():
         fc, proj = make_mlp(32, 64, "gelu", torch.float16, "cpu", bias=True)
@@ -242,15 +243,15 @@ def test_a_failed_fp8_epilogue_falls_back_to_the_cast_pass(monkeypatch):
         attempts.append(kwargs["EPILOGUE"])
         raise RuntimeError("stand-in for a Gluon compile error")
     monkeypatch.setattr(fp8_autograd, "PINGPONG_FP8", {"forward": True, "dgrad": True})
-    monkeypatch.setattr(pingpong, "FP8_FAILURE", None)
+    monkeypatch.setattr(fp8_hopper, "FP8_FAILURE", None)
     monkeypatch.setattr(pingpong, "FAILURE", None)
     # (the FP8 variants chosen as on an H100 until they fail)
-    monkeypatch.setattr(pingpong, "usable_fp8", lambda *args, **kwargs: pingpong.FP8_FAILURE is None)
+    monkeypatch.setattr(fp8_hopper, "usable_fp8", lambda *args, **kwargs: fp8_hopper.FP8_FAILURE is None)
     monkeypatch.setattr(pingpong, "_launch", broken)
     with pytest.warns(pingpong.FallbackWarning, match="FP8 output failed") as caught:
         got = two_calls()
     assert len([w for w in caught if issubclass(w.category, pingpong.FallbackWarning)]) == 1
-    assert attempts == ["act"] and isinstance(pingpong.FP8_FAILURE, RuntimeError) and pingpong.FAILURE is None
+    assert attempts == ["act"] and isinstance(fp8_hopper.FP8_FAILURE, RuntimeError) and pingpong.FAILURE is None
     for e, g in zip(expected, got):
         assert torch.equal(e, g)
 
@@ -291,7 +292,7 @@ def test_cast_transpose_is_torchs_quantization_padded_with_zeros(device):
     x = torch.randn(37, 48, dtype=torch.float16, device=device) * 30
     x[3, 5], x[4, 6], x[5, 7], x[6, 8] = float("nan"), float("inf"), -float("inf"), 6e4
     state.scale[fp8.X] = 0.5
-    q, qt = fp8.cast_transpose(x, state, fp8.X, row_major=True)
+    q, qt = fp8_kernels.cast_transpose(x, state, fp8.X, row_major=True)
     expected = quantize(x, 0.5, E4M3)
     expected[4, 6] = expected[5, 7] = float("nan")  # ±inf: NaN (e4m3 has no inf), not a saturated ±448
     assert qt.shape == (48, 48) and (qt[:, 37:].float() == 0).all()
@@ -304,7 +305,7 @@ def test_cast_transpose_is_torchs_quantization_padded_with_zeros(device):
     state.scale[fp8.GRAD_Y] = 3e4
     g = torch.randn(20, 32, dtype=torch.float16, device=device) * 1e-4
     g[2, 3], g[4, 5] = 4.0, -60.0  # past e5m2's range at this scale: ±57344
-    _, gt = fp8.cast_transpose(g, state, fp8.GRAD_Y)
+    _, gt = fp8_kernels.cast_transpose(g, state, fp8.GRAD_Y)
     assert torch.equal(gt[:, :20].t().float(), quantize(g, 3e4, E5M2).float())
     assert gt[3, 2].float() == 57344.0 and gt[5, 4].float() == -57344.0
     assert state.amax[fp8.GRAD_Y].item() == g.float().abs().max().item()
@@ -313,12 +314,12 @@ def test_cast_transpose_is_torchs_quantization_padded_with_zeros(device):
 def test_update_scales_keeps_a_history_and_ignores_empty_amaxes():
     state = FP8State(history=4)
     state.amax.zero_()
-    fp8.update_scales(state)
+    fp8_kernels.update_scales(state)
     assert state.scale.eq(1).all()  # nothing measured yet: the scale stays as it was
     scales = []
     for a in [2.0, 8.0, 1.0, 0.5, 0.25, 0.0, 0.0, 0.0, 0.0]:
         state.amax.fill_(a)
-        fp8.update_scales(state)
+        fp8_kernels.update_scales(state)
         scales.append(state.scale[0].item())
         assert state.amax.eq(0).all()  # reset for the next micro-step
     # the max over the last 4 micro-steps; a history of zeros leaves the scale as it was
@@ -328,7 +329,7 @@ def test_update_scales_keeps_a_history_and_ignores_empty_amaxes():
     # non-finite amaxes (an fp16 step that overflowed, a NaN) are left out of the max, not frozen into it
     for a, expected in ((8.0, 448 / 8), (float("inf"), 448 / 8), (float("nan"), 448 / 8), (1.0, 448 / 8), (1.0, 448 / 1)):
         state.amax.fill_(a)
-        fp8.update_scales(state)
+        fp8_kernels.update_scales(state)
         assert state.scale[0].item() == expected, a
 
 
@@ -368,7 +369,7 @@ def check_fused_weight_cast(device, dtype):
     cases["nan"][7, 1] = float("nan")
     for name, w in cases.items():
         w = w.to(device, dtype)
-        ours, want = fp8.quantize_weight_fused(w), fp8.quantize_weight(w)
+        ours, want = fp8_kernels.quantize_weight_fused(w), fp8_state.quantize_weight(w)
         for o, e in zip(ours, want):
             assert o.shape == e.shape and o.dtype == e.dtype and o.is_contiguous(), name
             if o.dtype == E4M3:
@@ -397,7 +398,7 @@ def test_fp8_needs_16_bit_activations_and_fp8_tensor_cores(monkeypatch):
     fc, proj = make_mlp(32, 64, "gelu", torch.float32, "cpu")
     with pytest.raises(TypeError, match="16-bit activations"):
         fp8_mlp(torch.randn(4, 32, requires_grad=True), fc, proj, "gelu", FP8State())
-    monkeypatch.setattr(fp8, "INTERPRET", False)  # a CPU without the interpreter: no FP8 tensor cores
+    monkeypatch.setattr(env, "INTERPRET", False)  # a CPU without the interpreter: no FP8 tensor cores
     with pytest.raises(RuntimeError, match="FP8 tensor cores .*compute capability 8.9"):
         fp8_mlp(torch.randn(4, 32, dtype=torch.float16, requires_grad=True), fc.half(), proj.half(), "gelu", FP8State())
     with pytest.raises(Exception, match="--fp8=True needs FP8 tensor cores"):
@@ -526,7 +527,7 @@ def test_a_copied_model_has_fp8_states_of_its_own():
     gpt = model.GPT(model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True))
     for other in (copy.deepcopy(gpt), pickle.loads(pickle.dumps(gpt))):
         for a, b in zip(gpt.transformer.h, other.transformer.h):
-            assert a.mlp.fp8.number != b.mlp.fp8.number and fp8._STATES[b.mlp.fp8.number]() is b.mlp.fp8
+            assert a.mlp.fp8.number != b.mlp.fp8.number and fp8_state._STATES[b.mlp.fp8.number]() is b.mlp.fp8
 
 
 def test_gpt_trains_with_fp8_and_its_weights_load_without_it():
@@ -561,10 +562,10 @@ def check_transposed_copies(M, C, hidden, activation, dtype, device):
     x = torch.randn(M, C, device=device, dtype=dtype)
     gy = torch.randn(M, C, device=device, dtype=dtype) * 1e-2
     x8, gy8 = x.float().mul(64).to(E4M3), gy.float().mul(1e4).to(E5M2)
-    w18, _, inv_w1 = fp8.quantize_weight(fc.weight)
-    _, w2t8, inv_w2 = fp8.quantize_weight(proj.weight)
-    h8, ht8, saved = fp8.fp8_linear_act(x8, w18, (state.inv_scale[0, :1], inv_w1), None, activation, state, dtype)
-    gz8, gzt8, _ = fp8.fp8_dgrad(gy8, w2t8.t(), (state.inv_scale[2, :1], inv_w2), saved, activation, state, False)
+    w18, _, inv_w1 = fp8_state.quantize_weight(fc.weight)
+    _, w2t8, inv_w2 = fp8_state.quantize_weight(proj.weight)
+    h8, ht8, saved = fp8_kernels.fp8_linear_act(x8, w18, (state.inv_scale[0, :1], inv_w1), None, activation, state, dtype)
+    gz8, gzt8, _ = fp8_kernels.fp8_dgrad(gy8, w2t8.t(), (state.inv_scale[2, :1], inv_w2), saved, activation, state, False)
     for name, q, qt in (("h", h8, ht8), ("grad_z", gz8, gzt8)):
         assert qt.shape == (q.shape[1], M + (-M % 16)), name
         assert torch.equal(qt[:, :M].t().float(), q.float()), name

@@ -29,7 +29,7 @@ def test_forward_and_dgrad_large_and_odd(dtype, act, M, K, N, main_loop, monkeyp
     so that shape takes the pointer loop either way); "pointer" forces the pointer loop."""
     import fused_ops.matmul
 
-    monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "auto" if main_loop == "auto" else "0")
+    monkeypatch.setattr(fused_ops.env, "TMA_MODE", "auto" if main_loop == "auto" else "0")
     gated = act in GATED_ACTIVATIONS
     rows = (2 if gated else 1) * N
     x = torch.randn(M, K, device="cuda", dtype=dtype)
@@ -54,11 +54,11 @@ def test_direct_launch_across_specializations(act, main_loop, monkeypatch):
     16-byte-misaligned x, a padded row stride, an fp32 output, bias or saved tensor) must each get a kernel
     compiled for them, never reuse one compiled under other assumptions."""
     import fused_ops.matmul
-    import fused_ops.pingpong
+    import fused_ops.hopper.pingpong
     import fused_ops.tuning as tuning
 
-    monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "auto" if main_loop == "auto" else "0")
-    monkeypatch.setattr(fused_ops.pingpong, "ENABLED", False)  # the Triton kernels' plans are under test
+    monkeypatch.setattr(fused_ops.env, "TMA_MODE", "auto" if main_loop == "auto" else "0")
+    monkeypatch.setattr(fused_ops.env, "PINGPONG", False)  # the Triton kernels' plans are under test
     monkeypatch.setattr(tuning, "_plans", {})
     K, N, dtype = 256, 384, torch.bfloat16
     rows = (2 if act in GATED_ACTIVATIONS else 1) * N
@@ -186,7 +186,7 @@ def test_nan_and_inf_through_the_16bit_kernels(dtype, act, special, monkeypatch)
     """Non-finite values in a few rows of x: output and every gradient NaN / inf exactly where the math puts them.
     At this size (16-byte aligned rows, 16-bit) a Hopper GPU runs the forward in the ping-pong kernel, whose
     epilogues (its GELU polynomial included) are under test there: asserted by counting its launches."""
-    from fused_ops import pingpong
+    from fused_ops.hopper import pingpong
 
     launches = []
     real = pingpong._launch

@@ -87,7 +87,7 @@ def test_tma_main_loop(act, dtype, M, K, N, layout, monkeypatch):
         pytest.skip("this Triton has no host-side tensor descriptors")
     if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs a Hopper GPU")
-    monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "1")
+    monkeypatch.setattr(fused_ops.env, "TMA_MODE", "1")
     gated = act in GATED_ACTIVATIONS
     arrange = (lambda t: t.t().contiguous().t()) if layout == "column-major" else (lambda t: t)
     x, w, b = make((M, K), dtype), arrange(make(((2 if gated else 1) * N, K), dtype, K ** -0.5)), make(((2 if gated else 1) * N,), dtype)
@@ -107,7 +107,7 @@ def test_tma_falls_back_to_pointers_for_unaligned_rows(monkeypatch):
     """Rows whose stride is not a multiple of 16 bytes cannot be described to TMA: the pointer loop runs."""
     import fused_ops.matmul
 
-    monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "1")
+    monkeypatch.setattr(fused_ops.env, "TMA_MODE", "1")
     x, w, b = make((37, 45), torch.float32), make((70, 45), torch.float32, 0.15), make((70,), torch.float32)
     assert fused_ops.matmul.tma_operands(x, w.t())[0] == []
     out, saved = poisoned((37, 70), torch.float32, DEVICE), poisoned((37, 70), torch.float32, DEVICE)
@@ -285,7 +285,7 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch):
-    monkeypatch.setattr(fused_ops.mlp, "INTERPRET", False)
+    monkeypatch.setattr(fused_ops.env, "INTERPRET", False)
     x, w_fc, b_fc, w_proj, b_proj = (t.cpu() for t in _mlp_tensors(torch.float32, "gelu"))
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         fused_mlp(x, w_fc, b_fc, w_proj, b_proj, "gelu")

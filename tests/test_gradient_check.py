@@ -56,7 +56,7 @@ def test_fused_model_matches_eager_tma_main_loop(activation, monkeypatch):
         pytest.skip("this Triton has no host-side tensor descriptors")
     if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs a Hopper GPU")
-    monkeypatch.setattr(fused_ops.matmul, "TMA_MODE", "1")
+    monkeypatch.setattr(fused_ops.env, "TMA_MODE", "1")
     assert fused_ops.matmul.tma_available(torch.device(DEVICE))
     check_fused_model_matches_eager(activation, fuse_ln=False)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fused_ops.graphs as graphs
+from fused_ops import env
 from fused_ops import MLPGraphs, fused_mlp_layers, layers_as_function
 from model import GPT, GPTConfig
 
@@ -272,13 +273,13 @@ def test_a_gpt_replays_every_step_with_nothing_held(monkeypatch):
     training step after the capture replays, and the losses equal the plain path's."""
     import fused_ops
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", dropout=0.0)
-    monkeypatch.setattr(fused_ops, "graphs_usable", lambda x: True)  # (model.py reads it from the package)
+    monkeypatch.setattr(fused_ops.layers, "graphs_usable", lambda x: True)  # (the runners read it there)
     losses = []
     for emulated in (False, True):
         torch.manual_seed(0)
         gpt = GPT(cfg)
         for block in gpt.transformer.h:
-            block.mlp.graphs = MLPGraphs(emulate=True) if emulated else None
+            block.mlp.path.graphs = MLPGraphs(emulate=True) if emulated else None
         opt = torch.optim.SGD(gpt.parameters(), lr=0.1)
         run = []
         for step in range(5):
@@ -289,7 +290,7 @@ def test_a_gpt_replays_every_step_with_nothing_held(monkeypatch):
             opt.zero_grad(set_to_none=True)
             run.append(loss.item())
         losses.append(run)
-    assert [next(iter(b.mlp.graphs.captured.values())).generation for b in gpt.transformer.h] == [4, 4]
+    assert [next(iter(b.mlp.path.graphs.captured.values())).generation for b in gpt.transformer.h] == [4, 4]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
@@ -301,15 +302,15 @@ def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
     scales' history are those of the run without graphs, bit for bit."""
     import fused_ops
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True, dropout=0.0)
-    monkeypatch.setattr(fused_ops.fp8_autograd, "graphs_usable", lambda x: True)  # (fp8_graphs_usable asks it)
-    cast, casts = fused_ops.fp8.quantize_weight_fused, []
-    monkeypatch.setattr(fused_ops.fp8, "quantize_weight_fused", lambda w, out=None: casts.append(1) or cast(w, out))
+    monkeypatch.setattr(fused_ops.layers, "graphs_usable", lambda x: True)  # (fp8_graphs_usable asks it)
+    cast, casts = fused_ops.fp8.state.quantize_weight_fused, []
+    monkeypatch.setattr(fused_ops.fp8.state, "quantize_weight_fused", lambda w, out=None: casts.append(1) or cast(w, out))
     runs = []
     for emulated in (False, True):
         torch.manual_seed(0)
         gpt = GPT(cfg)
         for block in gpt.transformer.h:
-            block.mlp.graphs = MLPGraphs(emulate=True, keep=block.mlp.fp8) if emulated else None
+            block.mlp.path.graphs = MLPGraphs(emulate=True, keep=block.mlp.fp8) if emulated else None
         opt = torch.optim.SGD(gpt.parameters(), lr=0.3)
         losses = []
         casts.clear()
@@ -327,8 +328,8 @@ def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
                      [b.mlp.fp8.history.clone() for b in gpt.transformer.h], gpt))
     (plain, plain_params, plain_history, _), (graphed, params, history, gpt) = runs
     # 10 forwards: the calibrating one and the first sight run plain, the third captures, all 8 from it replay
-    assert [len(b.mlp.graphs.captured) for b in gpt.transformer.h] == [1, 1]
-    assert [next(iter(b.mlp.graphs.captured.values())).generation for b in gpt.transformer.h] == [8, 8]
+    assert [len(b.mlp.path.graphs.captured) for b in gpt.transformer.h] == [1, 1]
+    assert [next(iter(b.mlp.path.graphs.captured.values())).generation for b in gpt.transformer.h] == [8, 8]
     assert graphed == plain
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     assert all(torch.equal(a, b) for a, b in zip(history, plain_history))
@@ -417,7 +418,7 @@ def test_whole_gpt_with_graphs_equals_without(monkeypatch, fp8):
                     fp8=fp8)
     losses = []
     for enabled in (False, True):
-        monkeypatch.setattr(graphs, "ENABLED", enabled)
+        monkeypatch.setattr(env, "GRAPHS", enabled)
         torch.manual_seed(0)
         model = GPT(cfg).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -435,9 +436,9 @@ def test_whole_gpt_with_graphs_equals_without(monkeypatch, fp8):
         with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
             run += [model(x, x)[1].item() for _ in range(3)]
         losses.append(run)
-        captured = sum(len(b.mlp.graphs.captured) for b in model.transformer.h)
+        captured = sum(len(b.mlp.path.graphs.captured) for b in model.transformer.h)
         assert captured == (2 * cfg.n_layer if enabled else 0)  # training and evaluation shapes, per layer
         if enabled:  # every training step after the first sight (and, FP8, the calibrating step) replayed
-            train = [c for b in model.transformer.h for k, c in b.mlp.graphs.captured.items() if k[3]]
+            train = [c for b in model.transformer.h for k, c in b.mlp.path.graphs.captured.items() if k[3]]
             assert [c.generation for c in train] == [3 - fp8] * cfg.n_layer
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)

@@ -46,7 +46,7 @@ def test_gated_hidden_size_keeps_parameter_count_close():
 
 
 def test_auto_falls_back_to_eager_where_kernels_cannot_run(monkeypatch):
-    monkeypatch.setattr(fused_ops.mlp, "INTERPRET", False)  # as on a CPU machine without the interpreter
+    monkeypatch.setattr(fused_ops.env, "INTERPRET", False)  # as on a CPU machine without the interpreter
     torch.manual_seed(0)
     eager = GPT(GPTConfig(mlp="eager", **TINY))
     auto = GPT(GPTConfig(mlp="auto", **TINY))

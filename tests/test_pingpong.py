@@ -8,12 +8,14 @@ import sys
 import pytest
 import torch
 
-from fused_ops import linear_act_dgrad, linear_act_forward, pingpong
+from fused_ops import env, linear_act_dgrad, linear_act_forward
+from fused_ops.fp8 import hopper as fp8_hopper
+from fused_ops.hopper import pingpong
 from model import GATED_ACTIVATIONS
 from numerics import check_dgrad, check_linear_act, poisoned
 
 # On a GPU the ping-pong kernel must run where it is chosen: its silent fallback would pass every check.
-pytestmark = pytest.mark.filterwarnings("error::fused_ops.pingpong.FallbackWarning")
+pytestmark = pytest.mark.filterwarnings("error::fused_ops.hopper.pingpong.FallbackWarning")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -22,7 +24,8 @@ import sys, torch, triton, warnings
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import mangle_type
 from triton.experimental.gluon._runtime import GluonASTSource
-from fused_ops import pingpong as pp
+from fused_ops.hopper import pingpong as pp
+from fused_ops.fp8 import hopper as fp8_pp
 
 def compile_for_sm90(args, consts, tiles, device):  # stands in for the launch
     signature, constexprs, args = {}, {}, list(args)
@@ -50,10 +53,10 @@ elif op in ("forward_fp8", "dgrad_fp8", "forward_fp8_in", "dgrad_fp8_in"):  # (F
     e5m2 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e5m2)
     rows = 2 * N if gated else N
     if op == "forward_fp8":
-        pp.linear_act_forward_fp8(e4m3(M, K), e4m3(rows, K), inv, t(rows) if bias else None, act, e4m3(M, N),
+        fp8_pp.linear_act_forward_fp8(e4m3(M, K), e4m3(rows, K), inv, t(rows) if bias else None, act, e4m3(M, N),
                                   e4m3(N, 1008), t(M, rows), torch.ones(1), torch.ones(1), up_act, gated)
     elif op == "dgrad_fp8":
-        pp.dgrad_fp8(e5m2(M, K), e4m3(N, K), inv, t(M, rows), e5m2(M, rows), e5m2(rows, 1008), bias, torch.ones(1),
+        fp8_pp.dgrad_fp8(e5m2(M, K), e4m3(N, K), inv, t(M, rows), e5m2(M, rows), e5m2(rows, 1008), bias, torch.ones(1),
                      torch.ones(1), gated)
     elif op == "forward_fp8_in":  # 16-bit outputs (the fallback when an FP8 output fails: then a cast pass)
         pp.linear_act_forward(e4m3(M, K), e4m3(rows, K), t(rows) if bias else None, act, up_act, gated, bias,
@@ -265,7 +268,7 @@ def force_hopper_path(monkeypatch):
     return attempts
 
 
-@pytest.mark.filterwarnings("default::fused_ops.pingpong.FallbackWarning")
+@pytest.mark.filterwarnings("default::fused_ops.hopper.pingpong.FallbackWarning")
 @pytest.mark.parametrize("act", ["gelu", "swiglu"])
 def test_failed_pingpong_falls_back_with_one_warning(act, monkeypatch):
     """If the ping-pong kernel fails to compile or launch, the fused MLP's forward and backward run the Triton
@@ -273,9 +276,9 @@ def test_failed_pingpong_falls_back_with_one_warning(act, monkeypatch):
     tried again. (On CPU through the interpreter, with the Hopper path forced; on a GPU for real tensors.)"""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    monkeypatch.setattr(pingpong, "ENABLED", False)
+    monkeypatch.setattr(env, "PINGPONG", False)
     expected = fused_mlp_fwd_bwd(act, device, dtype)  # the Triton kernels alone
-    monkeypatch.setattr(pingpong, "ENABLED", True)
+    monkeypatch.setattr(env, "PINGPONG", True)
     attempts = force_hopper_path(monkeypatch)
     with pytest.warns(pingpong.FallbackWarning, match="stand-in for a Gluon compile error") as caught:
         got = fused_mlp_fwd_bwd(act, device, dtype)
@@ -286,14 +289,14 @@ def test_failed_pingpong_falls_back_with_one_warning(act, monkeypatch):
         assert torch.equal(g, e) and torch.equal(a, e)
 
 
-@pytest.mark.filterwarnings("default::fused_ops.pingpong.FallbackWarning")
+@pytest.mark.filterwarnings("default::fused_ops.hopper.pingpong.FallbackWarning")
 def test_failed_pingpong_dgrad_falls_back(monkeypatch):
     """The same when the forward ran elsewhere and the first failure is the dgrad's."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    monkeypatch.setattr(pingpong, "ENABLED", False)
+    monkeypatch.setattr(env, "PINGPONG", False)
     expected = fused_mlp_fwd_bwd("gelu", device, dtype)
-    monkeypatch.setattr(pingpong, "ENABLED", True)
+    monkeypatch.setattr(env, "PINGPONG", True)
     attempts = force_hopper_path(monkeypatch)
     monkeypatch.setattr(pingpong, "linear_act_forward", lambda *args: False)  # the forward: Triton's, no warning
     with pytest.warns(pingpong.FallbackWarning) as caught:
@@ -305,13 +308,13 @@ def test_failed_pingpong_dgrad_falls_back(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.filterwarnings("default::fused_ops.pingpong.FallbackWarning")
+@pytest.mark.filterwarnings("default::fused_ops.hopper.pingpong.FallbackWarning")
 def test_failed_pingpong_compile_falls_back_on_gpu(monkeypatch):
     """On a Hopper GPU, a real failure of the kernel's compilation (a ring of 12 slots: more shared memory than
     an H100 block has, as a Triton that lays out memory differently could ask) falls back the same way."""
-    monkeypatch.setattr(pingpong, "ENABLED", False)
+    monkeypatch.setattr(env, "PINGPONG", False)
     expected = fused_mlp_fwd_bwd("gelu", "cuda", torch.bfloat16)
-    monkeypatch.setattr(pingpong, "ENABLED", True)
+    monkeypatch.setattr(env, "PINGPONG", True)
     monkeypatch.setattr(pingpong, "FAILURE", None)
     monkeypatch.setattr(pingpong, "_compiled", {})
     real = pingpong._blocks_and_consts
@@ -380,7 +383,7 @@ def test_forward_fp8_output(act, programs, saturate, monkeypatch):
     h8 = torch.empty(M, N, device="cuda", dtype=E4M3)
     h8t = torch.full((N, 1008), 1.0, device="cuda").to(E4M3)  # (1008: M padded to 16, as fp8.py pads)
     saved = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    assert pingpong.linear_act_forward_fp8(x8, w8, inv, b, act, h8, h8t, saved, scale, amax)
+    assert fp8_hopper.linear_act_forward_fp8(x8, w8, inv, b, act, h8, h8t, saved, scale, amax)
     assert torch.equal(h8t[:, :M].t().view(torch.uint8), h8.view(torch.uint8))  # bit for bit, NaNs too
     assert (h8t[:, M:].float() == 0).all()
     z = dequantized(x8, inv[0]) @ dequantized(w8, inv[1]).t() + b.double()
@@ -420,7 +423,7 @@ def test_forward_fp8_output_without_bias(act):
     scale, amax = torch.tensor([16.0], device="cuda"), torch.zeros(1, device="cuda")
     h8, h8t = torch.empty(M, N, device="cuda", dtype=E4M3), torch.full((N, Mp), 1.0, device="cuda").to(E4M3)
     saved = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    assert pingpong.linear_act_forward_fp8(x8, w8, inv, None, act, h8, h8t, saved, scale, amax)
+    assert fp8_hopper.linear_act_forward_fp8(x8, w8, inv, None, act, h8, h8t, saved, scale, amax)
     h16, saved16 = torch.empty(M, N, device="cuda", dtype=torch.bfloat16), torch.empty_like(saved)
     assert pingpong.linear_act_forward(x8, w8, None, act, "identity", False, True, h16, saved16, inv=inv)
     assert torch.equal(h8t[:, :M].t().view(torch.uint8), h8.view(torch.uint8))
@@ -457,7 +460,7 @@ def test_dgrad_fp8_output(bias_grad, programs, saturate, monkeypatch):
     scale, amax = torch.tensor([1e5 if saturate else 1000.0], device="cuda"), torch.zeros(1, device="cuda")
     gz8 = torch.empty(M, N, device="cuda", dtype=E5M2)
     gz8t = torch.full((N, 1008), 1.0, device="cuda").to(E5M2)
-    ok, db = pingpong.dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, scale, amax)
+    ok, db = fp8_hopper.dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, scale, amax)
     assert ok
     assert torch.equal(gz8t[:, :M].t().view(torch.uint8), gz8.view(torch.uint8))
     assert (gz8t[:, M:].float() == 0).all()
@@ -546,7 +549,7 @@ def test_gated_fp8_output(op, bias, programs, monkeypatch):
         a8, w8, inv = fp8_operands(a, w, E4M3, g)
         q, qt = torch.empty(M, N, device="cuda", dtype=E4M3), torch.full((N, Mp), 1.0, device="cuda").to(E4M3)
         saved = torch.empty(M, 2 * N, device="cuda", dtype=torch.bfloat16)
-        assert pingpong.linear_act_forward_fp8(a8, w8, inv, b, "silu", q, qt, saved, scale, amax, "identity", True)
+        assert fp8_hopper.linear_act_forward_fp8(a8, w8, inv, b, "silu", q, qt, saved, scale, amax, "identity", True)
         z = dequantized(a8, inv[0]) @ dequantized(w8, inv[1]).t() + (0 if b is None else b.double())
         want = torch.nn.functional.silu(z[:, :N]) * z[:, N:]
         h16, saved16 = torch.empty(M, N, device="cuda", dtype=torch.bfloat16), torch.empty_like(saved)
@@ -560,7 +563,7 @@ def test_gated_fp8_output(op, bias, programs, monkeypatch):
         saved = torch.rand(M, 2 * N, device="cuda", generator=g).bfloat16()
         a8, w2t8, inv = fp8_operands(a, w2.t(), E5M2, g)
         q, qt = torch.empty(M, 2 * N, device="cuda", dtype=E5M2), torch.full((2 * N, Mp), 1.0, device="cuda").to(E5M2)
-        ok, db = pingpong.dgrad_fp8(a8, w2t8, inv, saved, q, qt, bias, scale, amax, True)
+        ok, db = fp8_hopper.dgrad_fp8(a8, w2t8, inv, saved, q, qt, bias, scale, amax, True)
         assert ok
         grad_h = dequantized(a8, inv[0]) @ dequantized(w2t8, inv[1]).t()
         want = torch.cat([grad_h, grad_h], 1) * saved.double()

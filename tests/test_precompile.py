@@ -57,7 +57,7 @@ def test_the_child_process_exits_cleanly_and_is_off_by_env(monkeypatch):
     spec = {**SPEC, "N": 16, "H": 16, "bias": False, "activation": "relu", "layer_norm": False, "ln_bias": False}
     child = precompile.start(spec, "cpu")
     assert child.wait(timeout=300) == 0
-    monkeypatch.setattr(precompile, "ENABLED", False)
+    monkeypatch.setattr(fused_ops.env, "PRECOMPILE", False)
     assert precompile.start(spec, "cpu") is None
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from fused_ops import tuning
+from fused_ops import env, tuning
 from fused_ops.dgrad import dgrad_kernel
 from fused_ops.linear_act import linear_act_kernel
 
@@ -57,8 +57,8 @@ def _param_names(kernel):
 def test_plan_puts_constexprs_in_parameter_order(monkeypatch):
     """A direct launch passes the runtime arguments and then the constexprs in the kernel's parameter
     order; the plan derives that order from the kernel, whatever order the caller's dict had."""
-    monkeypatch.setattr(tuning, "INTERPRET", False)
-    monkeypatch.setattr(tuning, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(env, "INTERPRET", False)
+    monkeypatch.setattr(env, "DIRECT_LAUNCH", True)
     cfg = tuning._config(128, 128, 64, 4, 3)
     consts = dict(B_KMAJOR=True, TMA=True, INT64=False, PRECISION="ieee", ACC_DTYPE=None, GATED=False,
                   BIAS_GRAD=True)
@@ -73,14 +73,14 @@ def test_plan_puts_constexprs_in_parameter_order(monkeypatch):
 def test_plan_without_matching_constexprs_uses_the_jit(monkeypatch):
     """Constexprs that are not exactly the kernel's trailing parameters: no direct launch (Triton's JIT
     binds the arguments by name instead)."""
-    monkeypatch.setattr(tuning, "INTERPRET", False)
+    monkeypatch.setattr(env, "INTERPRET", False)
     cfg = tuning._config(128, 128, 64, 4, 3)
     plan = tuning.LaunchPlan(linear_act_kernel, cfg, dict(GATED=False), K=100)
     assert not plan.direct and not plan.consts["EVEN_K"]
 
 
 def test_interpreter_never_launches_directly(monkeypatch):
-    monkeypatch.setattr(tuning, "INTERPRET", True)
+    monkeypatch.setattr(env, "INTERPRET", True)
     consts = dict(B_KMAJOR=False, TMA=False, INT64=False, PRECISION="ieee", ACC_DTYPE=None, GATED=False,
                   BIAS_GRAD=True)
     plan = tuning.LaunchPlan(dgrad_kernel, tuning._config(32, 32, 32, 4, 1), consts, K=64)
@@ -90,14 +90,14 @@ def test_interpreter_never_launches_directly(monkeypatch):
 def test_tuning_choices_are_kept_on_disk(monkeypatch, tmp_path):
     """Tuned once, a key's choice is written to the cache file; a later run (here: the in-memory plans
     forgotten) launches that config without timing any candidate. A damaged file means tuning again."""
-    if not torch.cuda.is_available() and not tuning.INTERPRET:
+    if not torch.cuda.is_available() and not env.INTERPRET:
         pytest.skip("the kernels cannot run here")
     from fused_ops.linear_act import linear_act_forward
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cache = tmp_path / "tuning.json"
     candidates = [tuning._config(32, 32, 32, 4, 1, group_m=2), tuning._config(16, 32, 32, 4, 1, group_m=2)]
-    monkeypatch.setattr(tuning, "TUNING_CACHE", str(cache))
+    monkeypatch.setattr(env, "TUNING_CACHE", str(cache))
     monkeypatch.setattr(tuning, "matmul_configs", lambda gated=False, dtype=None: candidates)
     monkeypatch.setattr(tuning, "_plans", {})
     timed = []
@@ -138,13 +138,13 @@ def test_tuning_choices_are_kept_on_disk(monkeypatch, tmp_path):
 def test_tuning_compiles_every_candidate_then_waits_for_a_precompiling_child(monkeypatch, tmp_path):
     """A child compiling kernels on the same GPU (precompile.py) would skew the timings: tuning compiles each
     candidate first (untimed, overlapping the child), waits for the child, and only then times them."""
-    if not torch.cuda.is_available() and not tuning.INTERPRET:
+    if not torch.cuda.is_available() and not env.INTERPRET:
         pytest.skip("the kernels cannot run here")
     from fused_ops import precompile
     from fused_ops.linear_act import linear_act_forward
 
     candidates = [tuning._config(32, 32, 32, 4, 1, group_m=2), tuning._config(16, 32, 32, 4, 1, group_m=2)]
-    monkeypatch.setattr(tuning, "TUNING_CACHE", "0")
+    monkeypatch.setattr(env, "TUNING_CACHE", "0")
     monkeypatch.setattr(tuning, "matmul_configs", lambda gated=False, dtype=None: candidates)
     monkeypatch.setattr(tuning, "_plans", {})
     events, run_config = [], tuning.run_config

@@ -12,14 +12,14 @@ import statistics
 import torch
 from triton.testing import do_bench
 
-from fused_ops import fp8
+from fused_ops.fp8 import kernels as fp8, state as fp8_state
 
 TILES = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 64, 2), (32, 128, 4)]
 
 
 def main():
     torch.manual_seed(0)
-    state = fp8.FP8State().cuda()
+    state = fp8_state.FP8State().cuda()
     shapes = {"h 12288x3072 (q + qT)": (torch.randn(12288, 3072, device="cuda", dtype=torch.bfloat16), fp8.H, True),
               "x 12288x768 (q + qT)": (torch.randn(12288, 768, device="cuda", dtype=torch.bfloat16), fp8.X, True)}
     tiles = dict(fp8.CAST_TILE)

@@ -1,8 +1,8 @@
 """Where the FP8 ping-pong kernels' time goes past their GEMM: the same kernel with parts of its epilogue taken
 out, one at a time, against cuBLAS's FP8 GEMM of the same shape, rounds alternated. Hopper GPU.
 
-The variants are built from fused_ops/pingpong.py's source with exact string edits (each must match once), written
-beside it as fused_ops/_probe_<name>.py and imported: the product keeps no probe switches. A variant computes
+The variants are built from fused_ops/hopper/pingpong.py's source with exact string edits (each must match once), written
+beside it as fused_ops/hopper/_probe_<name>.py and imported: the product keeps no probe switches. A variant computes
 wrong values (that is the point); only its time is read.
 
     PYTHONPATH=. python lab/fp8/epilogue_probe.py [--M 12288 --C 768 --rounds 3]
@@ -16,7 +16,8 @@ import pathlib
 import torch
 from triton.testing import do_bench
 
-from fused_ops import fp8, pingpong
+from fused_ops.fp8 import hopper as fp8_hopper, kernels as fp8, state as fp8_state
+from fused_ops.hopper import pingpong
 
 SOURCE = pathlib.Path(pingpong.__file__)
 
@@ -70,8 +71,20 @@ VARIANTS = {"fwd_no_qt": FWD_NO_QT, "fwd_no_save": FWD_NO_SAVE, "fwd_no_math": F
             "dgrad_no_qt": DGRAD_NO_QT, "dgrad_part_amax": DGRAD_PART_AMAX}
 
 
+
+def fp8_launcher(mod, name):
+    """fp8/hopper.py's launcher `name` (linear_act_forward_fp8, dgrad_fp8), launching mod's kernel: hopper/pingpong.py
+    or a variant module of it."""
+    def run(*args):
+        kept, fp8_hopper.pingpong = fp8_hopper.pingpong, mod
+        try:
+            return getattr(fp8_hopper, name)(*args)
+        finally:
+            fp8_hopper.pingpong = kept
+    return run
+
 def variant(name, edits=None, source=SOURCE):
-    """fused_ops._probe_<name>: pingpong.py (or source) with VARIANTS[name]'s edits (or edits), the file removed when
+    """fused_ops.hopper._probe_<name>: pingpong.py (or source) with VARIANTS[name]'s edits (or edits), the file removed when
     the probe exits."""
     text = source.read_text()
     for old, new in VARIANTS[name] if edits is None else edits:
@@ -80,7 +93,7 @@ def variant(name, edits=None, source=SOURCE):
     path = SOURCE.with_name(f"_probe_{name}.py")
     path.write_text(text)
     atexit.register(path.unlink, missing_ok=True)
-    return importlib.import_module(f"fused_ops._probe_{name}")
+    return importlib.import_module(f"fused_ops.hopper._probe_{name}")
 
 
 def bench(fn):
@@ -117,10 +130,10 @@ def setup(M, C, gated, dev="cuda", dt=torch.bfloat16):
     w2 = torch.randn(C, H, device=dev, dtype=dt) / H ** 0.5
     x = torch.randn(M, C, device=dev, dtype=dt)
     gy = torch.randn(M, C, device=dev, dtype=dt) * 1e-3
-    state = fp8.FP8State().to(dev)
+    state = fp8_state.FP8State().to(dev)
     for slot, t in ((fp8.X, x), (fp8.GRAD_Y, gy), (fp8.H, torch.ones(1, device=dev)),
                     (fp8.GRAD_Z, torch.full((1,), 1e-3, device=dev))):
-        fp8._set_current_scale(state, slot, t)
+        fp8_state._set_current_scale(state, slot, t)
     w18, w1t8, w1inv, w28, w2t8, w2inv = state.weights(w1, w2)
     x8, xt8 = fp8.cast_transpose(x, state, fp8.X, row_major=True)
     gy8, gyt8 = fp8.cast_transpose(gy, state, fp8.GRAD_Y, row_major=True)
@@ -149,11 +162,11 @@ def main():
     one = state.inv_scale[1, :1]
 
     def fwd(mod):
-        return lambda: mod.linear_act_forward_fp8(x8, w18, (inv_x, w1inv), None, "gelu", h8, h8t, saved,
+        return lambda: fp8_launcher(mod, "linear_act_forward_fp8")(x8, w18, (inv_x, w1inv), None, "gelu", h8, h8t, saved,
                                                   state.scale[fp8.H:], amax)
 
     def dgrad(mod):
-        return lambda: mod.dgrad_fp8(gy8, w2t8, (inv_gy, w2inv), saved, gz8, gz8t, False, state.scale[fp8.GRAD_Z:],
+        return lambda: fp8_launcher(mod, "dgrad_fp8")(gy8, w2t8, (inv_gy, w2inv), saved, gz8, gz8t, False, state.scale[fp8.GRAD_Z:],
                                      amax)
 
     rows = {
@@ -180,7 +193,7 @@ def main():
     torch.cuda.synchronize()
     print("registers and spills of each compiled variant (consumers run under setmaxnreg "
           f"{pingpong.CONSUMER_REGS}):")
-    for mod in [pingpong] + [importlib.import_module(f"fused_ops._probe_{n}") for n in VARIANTS if n in rows]:
+    for mod in [pingpong] + [importlib.import_module(f"fused_ops.hopper._probe_{n}") for n in VARIANTS if n in rows]:
         for key, k in mod._compiled.items():
             print(f"  {mod.__name__.split('.')[-1]:22s} {'/'.join(str(c) for c in key[0][:3])}"
                   f"{' FP8_OUT' if key[0][-2] else ''}: {k.n_regs} registers, {k.n_spills} spilled")

@@ -21,7 +21,7 @@ import tempfile
 import torch
 
 import bench_mlp
-from fused_ops import fp8
+from fused_ops.fp8 import kernels as fp8, state as fp8_state
 from model import MLP, GPTConfig
 from lab.fp8.epilogue_probe import alternated, arguments, setup
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from fused_ops.fp8 import FP8State
-from fused_ops.fp8_autograd import fp8_mlp
+from fused_ops.fp8 import fp8_mlp
 from fused_ops.mlp import fused_mlp_layers
 
 

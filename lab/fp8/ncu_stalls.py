@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from fused_ops import pingpong
+from fused_ops.hopper import pingpong
 from lab.fp8.epilogue_probe import setup
 from lab.fp8.round22_probe import rows_for
 

@@ -9,7 +9,7 @@ refilled at finer steps), each kernel against the product, rounds alternated, ou
 
 import torch
 
-from fused_ops import pingpong
+from fused_ops.hopper import pingpong
 from lab.fp8.epilogue_probe import alternated, arguments, setup, variant
 from lab.fp8.round22_probe import rows_for
 

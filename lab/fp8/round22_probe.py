@@ -3,9 +3,9 @@ against a persistent version of it, at GPT-2 small's MLP size (GELU H = 3072, Sw
 Hopper GPU.
 
 "before" is pingpong.py as it was (each part's amax reduced across the 8 warps, SiLU and SiLU' with a sigmoid
-each), copied to fused_ops/_probe_before.py by whoever runs this (it is not kept in the tree):
+each), copied to fused_ops/hopper/_probe_before.py by whoever runs this (it is not kept in the tree):
 
-    git show afa429e:fused_ops/pingpong.py > fused_ops/_probe_before.py
+    git show afa429e:fused_ops/pingpong.py > fused_ops/hopper/_probe_before.py
     PYTHONPATH=. python lab/fp8/round22_probe.py [--rounds 3]
 """
 
@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_ops import fp8, pingpong
-from fused_ops.fp8_quantize import quantize
+from fused_ops.casts import quantize
+from fused_ops.fp8 import kernels as fp8, state as fp8_state
+from fused_ops.hopper import pingpong
 from lab.fp8 import epilogue_probe
 from lab.fp8.epilogue_probe import alternated, arguments, setup
 
@@ -70,17 +71,17 @@ VARIANTS = {
 
 
 def variant(name):
-    """fused_ops._probe_<name>: the "before" pingpong.py with VARIANTS[name]'s edits (removed when the probe exits)."""
+    """fused_ops.hopper._probe_<name>: the "before" pingpong.py with VARIANTS[name]'s edits (removed when the probe exits)."""
     return epilogue_probe.variant(name, VARIANTS[name], SOURCE)
 
 
 def rows_for(mod, d, tag):
     s = d["state"]
     return {
-        f"{tag} fwd FP8 out": lambda: mod.linear_act_forward_fp8(
+        f"{tag} fwd FP8 out": lambda: epilogue_probe.fp8_launcher(mod, "linear_act_forward_fp8")(
             d["x8"], d["w18"], d["inv1"], None, d["act"], d["h8"], d["h8t"], d["saved"], s.scale[fp8.H:], d["amax"],
             gated=d["gated"]),
-        f"{tag} dgrad FP8 out": lambda: mod.dgrad_fp8(d["gy8"], d["w2t8"], d["inv2"], d["saved"], d["gz8"], d["gz8t"],
+        f"{tag} dgrad FP8 out": lambda: epilogue_probe.fp8_launcher(mod, "dgrad_fp8")(d["gy8"], d["w2t8"], d["inv2"], d["saved"], d["gz8"], d["gz8t"],
                                                       False, s.scale[fp8.GRAD_Z:], d["amax"], d["gated"]),
         f"{tag} fwd FP8 in, 16-bit out": lambda: mod.linear_act_forward(
             d["x8"], d["w18"], None, d["act"], "identity", d["gated"], True, d["h16"], d["saved"], inv=d["inv1"]),
@@ -105,7 +106,7 @@ def cast_rows(d, sms):
 def main():
     p = arguments()
     p.add_argument("--dgrad", action="store_true", help="the dgrad variants only (VARIANTS)")
-    p.add_argument("--before", default="fused_ops._probe_before", help="the module the product is compared with")
+    p.add_argument("--before", default="fused_ops.hopper._probe_before", help="the module the product is compared with")
     a = p.parse_args()
     if a.dgrad:
         return dgrad_variants(a)
@@ -140,7 +141,7 @@ def main():
 
 
 def dgrad_variants(a):
-    mods = {"before": importlib.import_module("fused_ops._probe_before"), **{name: variant(name) for name in VARIANTS},
+    mods = {"before": importlib.import_module("fused_ops.hopper._probe_before"), **{name: variant(name) for name in VARIANTS},
             "product": pingpong}
     for gated in (False, True):
         d = setup(a.M, a.C, gated)

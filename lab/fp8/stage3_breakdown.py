@@ -13,9 +13,10 @@ import torch
 from triton.testing import do_bench
 
 import bench_mlp
-from fused_ops import fp8, pingpong
+from fused_ops.fp8 import hopper as fp8_hopper, kernels as fp8, state as fp8_state
+from fused_ops.hopper import pingpong
 from fused_ops.dgrad import linear_act_dgrad
-from fused_ops.fp8_autograd import _first_linear, _second_dgrad
+from fused_ops.fp8.autograd import _first_linear, _second_dgrad
 from fused_ops.linear_act import linear_act_forward
 from lab.fp8.epilogue_probe import setup
 from model import MLP, GPTConfig
@@ -33,10 +34,10 @@ def pieces(M, C, activation, dev="cuda", dt=torch.bfloat16):
         d[k] for k in ("x", "gy", "w1", "w2", "state", "x8", "xt8", "gy8", "gyt8", "w18", "w1t8", "w28", "w2t8"))
     (inv_x, w1inv), (inv_gy, w2inv) = d["inv1"], d["inv2"]
     h, saved = linear_act_forward(x, w1, None, activation)
-    fp8._set_current_scale(state, fp8.H, h)
+    fp8_state._set_current_scale(state, fp8.H, h)
     h8, ht8, saved8 = _first_linear(x8, w18, (inv_x, w1inv), None, activation, state, dt)
     gz, _ = linear_act_dgrad(gy, w2, saved, activation, bias_grad=False)
-    fp8._set_current_scale(state, fp8.GRAD_Z, gz)
+    fp8_state._set_current_scale(state, fp8.GRAD_Z, gz)
     gz8, gzt8, _ = _second_dgrad(gy8, w2t8, (inv_gy, w2inv), saved8, activation, state, False)
     one = state.inv_scale[1, :1]
     rows = {
@@ -60,7 +61,7 @@ def pieces(M, C, activation, dev="cuda", dt=torch.bfloat16):
         "weight copies (W1, W1T, W2, W2T)": lambda: state.weights_changed() or state.weights(w1, w2),
     }
     print(f"\nM={M} C={C} H={H} {activation}: GPU time per piece, do_bench median, us "
-          f"(ping-pong FP8 failure: {pingpong.FP8_FAILURE!r}, 16-bit: {pingpong.FAILURE!r})")
+          f"(ping-pong FP8 failure: {fp8_hopper.FP8_FAILURE!r}, 16-bit: {pingpong.FAILURE!r})")
     for name, fn in rows.items():
         print(f"{name:44s} {bench(fn):8.1f}")
 

@@ -8,8 +8,8 @@ inputs, rounds alternated; the outputs must be the same bit for bit. Hopper GPU.
 
 import torch
 
-from fused_ops import fp8_autograd as fa
-from fused_ops.fp8 import GRAD_Y, GRAD_Z, H, X, update_scales
+from fused_ops.fp8 import autograd as fa
+from fused_ops.fp8.kernels import GRAD_Y, GRAD_Z, H, X, update_scales
 from lab.fp8.epilogue_probe import arguments, setup
 
 

@@ -9,7 +9,7 @@ micro-step); torchao casts its weights in every forward. CUDA GPU.
 import torch
 from triton.testing import do_bench
 
-from fused_ops import fp8
+from fused_ops.fp8 import kernels as fp8, state as fp8_state
 
 
 def graphed(fn):

@@ -1,6 +1,12 @@
-"""FP8 quantization as every kernel does it: fp8(v · scale), saturating, NaN for NaN and ±inf (fp8.py's docstring
-says why). Its own file because two kernel families use it: fp8.py's Triton kernels and pingpong.py's Gluon
-epilogue.
+"""The two 8-bit float casts of a tile that kernels share, as device functions (no state, no launch):
+
+- to_fp16: an FP8 tile widened to fp16, exactly; matmul.matmul_loop's UPCAST (the FP8 Triton kernels' operands).
+- quantize: fp8(v · scale), saturating, NaN for NaN and ±inf (fp8/kernels.py's docstring says why), as every FP8
+  kernel writes its output: fp8/kernels.py's Triton kernels and the FP8_OUT epilogue of hopper/pingpong.py's Gluon
+  kernel.
+
+A leaf of the core (it imports nothing of the package): the core, hopper/ and fp8/ all use it, and neither the
+core nor hopper/ may import fp8/.
 
 Under the Triton interpreter (CPU tests), whose float -> FP8 conversion mis-rounds values that carry into the next
 binade and turns NaN into 384, the FP8 encoding is done by hand (_encode_fp8); on a GPU the hardware conversion

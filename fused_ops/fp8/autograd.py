@@ -1,13 +1,13 @@
-"""The FP8 MLP's autograd: what runs it, outside torch.compile and inside (fp8.py has the recipe, the kernels and
-the scales' state).
+"""The FP8 MLP's autograd: what runs it, outside torch.compile and inside (kernels.py has the recipe and the kernels,
+state.py the scales' state, hopper.py the ping-pong kernel's FP8 outputs).
 
 One computation, _forward and _backward below, reached two ways:
 - outside torch.compile, FP8MLPFunction, an autograd.Function over the two;
 - inside, two operators, fused_mlp::fp8_mlp_forward and fused_mlp::fp8_mlp_backward, each one opaque node in the
-  compiled graph (ops.py says why operators), the backward attached with torch.library.register_autograd.
+  compiled graph (../ops.py says why operators), the backward attached with torch.library.register_autograd.
 The weights' FP8 copies (W1, W1ᵀ, W2, W2ᵀ in e4m3, their 1/scales) come to both as arguments:
 - uncompiled, from FP8State.weights: remade once per optimizer step (a host-side check), in place, so that
-  graphs.py's CUDA graphs (fp8_layers_as_function), which skip host work in a replay, read the current ones;
+  ../graphs.py's CUDA graphs (fp8_layers_as_function; ../layers.py's FP8MLP), which skip host work in a replay, read the current ones;
 - compiled, made in the graph at every forward (quantize_weight; inductor fuses it): a host check would be skipped
   by torch.compile's CUDA graphs, so none is left. The price: with gradient accumulation, one weight cast per
   micro-step instead of per optimizer step (~12 MB of traffic a layer at GPT-2 small's size).
@@ -22,20 +22,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .activations import kernel_activations
-from .fp8 import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _STATES, _padded, _set_current_scale, cast_transpose,
-                  check_fp8_device, fp8_dgrad, fp8_linear_act, quantize_weight, update_scales)
-from .graphs import graphs_usable
-from .ops import fused_op
-from . import pingpong
+from ..activations import kernel_activations
+from ..hopper import pingpong
+from ..mlp import _autocast, check_mlp_args, fused_mlp
+from ..ops import fused_op
+from . import hopper as fp8_hopper
+from .kernels import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _padded, cast_transpose, fp8_dgrad, fp8_linear_act,
+                      update_scales)
+from .state import _STATES, _set_current_scale, check_fp8_device, quantize_weight
 
 # Which kernel runs the two GEMMs with epilogues (x8 @ W1ᵀ, gy8 @ W2), best first; each step is taken where it can run:
-# - PINGPONG_FP8: Hopper's ping-pong kernels quantize h and gz in their own epilogues (pingpong.linear_act_forward_fp8
-#   and dgrad_fp8: h8 and h8ᵀ, gz8 and gz8ᵀ out, the amax folded in), with no pass after them (the gated dgrad where
-#   its halves meet at a tile's edge: pingpong.usable_fp8).
+# - PINGPONG_FP8: Hopper's ping-pong kernels quantize h and gz in their own epilogues (hopper.py's
+#   linear_act_forward_fp8 and dgrad_fp8: h8 and h8ᵀ, gz8 and gz8ᵀ out, the amax folded in), with no pass after them
+#   (the gated dgrad where its halves meet at a tile's edge: hopper.usable_fp8).
 # - SEPARATE_CAST: the ping-pong kernels write h and gz in 16 bits, then one cast + transpose pass quantizes each (its
 #   amax folded in): where the FP8 outputs cannot run, or failed (the 16-bit ones keep running).
-# - else this file's Triton kernels (fp8.py) write them quantized: Ada, the CPU interpreter, or a failed ping-pong.
+# - else the Triton kernels (kernels.py) write them quantized: Ada, the CPU interpreter, or a failed ping-pong.
 # The ping-pong kernels take the FP8 operands straight into FP8 MMAs; measured at each stage in
 # results/fp8_stage1_h100.txt and results/fp8_stage3_h100.txt.
 PINGPONG_FP8 = {"forward": True, "dgrad": True}
@@ -49,10 +51,10 @@ def _first_linear(x8, w8, inv, bias, activation, state, dtype):
     M, rows = x8.shape[0], w8.shape[0]
     hidden = rows // 2 if gated else rows
     saved = torch.empty((M, rows), device=x8.device, dtype=dtype)
-    if PINGPONG_FP8["forward"] and pingpong.usable_fp8(x8, (w8,), (bias,), hidden, hidden if gated else None):
+    if PINGPONG_FP8["forward"] and fp8_hopper.usable_fp8(x8, (w8,), (bias,), hidden, hidden if gated else None):
         h8 = torch.empty((M, hidden), device=x8.device, dtype=E4M3)
         h8t = torch.empty((hidden, _padded(M)), device=x8.device, dtype=E4M3)
-        if pingpong.linear_act_forward_fp8(x8, w8, inv, bias, act, h8, h8t, saved, state.scale[H:], state.amax[H:],
+        if fp8_hopper.linear_act_forward_fp8(x8, w8, inv, bias, act, h8, h8t, saved, state.scale[H:], state.amax[H:],
                                            up_act, gated):
             return h8, h8t, saved
     if SEPARATE_CAST["forward"] and pingpong.usable(x8, (w8,), (bias,), hidden if gated else None):
@@ -68,10 +70,10 @@ def _second_dgrad(gy8, w2t8, inv, saved, activation, state, bias_grad):
     gated = kernel_activations(activation)[2]
     M, width = gy8.shape[0], saved.shape[1]
     split = w2t8.shape[0] if gated else None
-    if PINGPONG_FP8["dgrad"] and pingpong.usable_fp8(gy8, (w2t8, saved), (), width, split, dgrad=True):
+    if PINGPONG_FP8["dgrad"] and fp8_hopper.usable_fp8(gy8, (w2t8, saved), (), width, split, dgrad=True):
         gz8 = torch.empty((M, width), device=gy8.device, dtype=E5M2)
         gz8t = torch.empty((width, _padded(M)), device=gy8.device, dtype=E5M2)
-        ok, grad_b_fc = pingpong.dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, state.scale[GRAD_Z:],
+        ok, grad_b_fc = fp8_hopper.dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, state.scale[GRAD_Z:],
                                            state.amax[GRAD_Z:], gated)
         if ok:
             return gz8, gz8t, grad_b_fc
@@ -246,12 +248,6 @@ def fp8_mlp(x, c_fc, c_proj, activation, state):
     return _fp8_mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, activation, state)
 
 
-def fp8_graphs_usable(x, state):
-    """Whether graphs.py may capture the FP8 MLP: where graphs_usable says so, once the scales are calibrated (the
-    calibrating call runs other kernels). Under DDP too: each process keeps its own scales, no collective inside."""
-    return graphs_usable(x) and state.calibrated
-
-
 def fp8_layers_as_function(c_fc, c_proj, activation, norm, state):
     """fp8_mlp(norm(x), ...) as (fn, tensors), as mlp.layers_as_function: what graphs.py captures. The weights' FP8
     copies are among the tensors: FP8State.weights, asked here (outside any replay: a host-side check), remakes them
@@ -269,7 +265,6 @@ def fp8_layers_as_function(c_fc, c_proj, activation, norm, state):
 
 
 def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, copies=None):
-    from .mlp import _autocast, check_mlp_args, fused_mlp  # (mlp.py does not import this module)
     if not torch.is_grad_enabled() or x.numel() == 0:
         return fused_mlp(x, w_fc, b_fc, w_proj, b_proj, activation)
     compiling = torch.compiler.is_compiling()

@@ -17,8 +17,9 @@ registers:
 
 The weights' copies, W1 and W1ᵀ, W2 and W2ᵀ in e4m3 (quantize_weight: each GEMM takes its weight K-major), are made
 once per optimizer step (FP8State.weights). On Hopper the two GEMMs with epilogues run in the ping-pong kernels
-(pingpong.py: FP8 main loops, FP8_IN, and FP8 epilogues, FP8_OUT, gated ones included): 114 and 94 µs at GPT-2
-small's size against 123 and 114 for their bf16 versions (results/fp8_stage3_h100.txt; fp8_autograd.PINGPONG_FP8).
+(../hopper/pingpong.py, launched by hopper.py here: FP8 main loops, FP8_IN, and FP8 epilogues, FP8_OUT, gated
+ones included): 114 and 94 µs at GPT-2
+small's size against 123 and 114 for their bf16 versions (results/fp8_stage3_h100.txt; autograd.PINGPONG_FP8).
 Elsewhere (Ada, the CPU interpreter, a ping-pong kernel that failed) this file's Triton kernels run them, their FP8
 tiles converted to fp16 (exact) for the dot, and transpose_fp8 writes h8ᵀ. Activations and weights are e4m3 (more
 mantissa), gradients e5m2 (more range), TransformerEngine's "hybrid" format; every FP8 GEMM pairs one e4m3 operand
@@ -31,13 +32,13 @@ scale before the tensor's amax exists: the scale comes from the largest amax of 
 micro-steps (FP8State), and each kernel folds its tiles' amax into the current one with an atomic max.
 After each backward one tiny kernel moves the current amaxes into the history and computes the next
 scales, on the GPU without a host sync (under torch.compile nothing else is host state either, so CUDA graphs
-capture it: fp8_autograd.py). Under DDP each process keeps its own scales: no collective runs inside the MLP
+capture it: autograd.py). Under DDP each process keeps its own scales: no collective runs inside the MLP
 (docs/numerics.md says why that is exact enough). Values past the range saturate to
 ±fp8_max (the price of a delayed scale when a tensor grows suddenly); the history's max keeps that rare.
 Non-finite amaxes (an overflowed fp16 step, a NaN) are left out of the max.
 The first call of each MLP has no history: it calibrates with current scaling, x's and grad_y's scales from
 their own amax, and h's and grad_z's by running their kernel twice, the first time only to measure the amax it
-folds in (fp8_autograd._calibrated); from then on each kernel runs once.
+folds in (autograd._calibrated); from then on each kernel runs once.
 Weights use current scaling, since their FP8 copies are made once per optimizer step (FP8State.weights)
 uncompiled, and once per forward by the compiled graph, never from an older amax.
 Rows are padded to a multiple of 16 in the transposed copies (zeros), since the GEMMs reducing over the
@@ -47,56 +48,33 @@ Special values: NaN stays NaN (e4m3 and e5m2 have NaN); ±inf becomes NaN (e4m3 
 saturated inf would hide a diverged run from train.py's loss check); finite values past the range
 saturate. Under no_grad (evaluation, sampling) the MLP runs the bf16 fused path.
 
-fp8_autograd.py runs all this as an autograd.Function, and inside torch.compile as two operators.
+autograd.py runs all this as an autograd.Function, and inside torch.compile as two operators; state.py holds
+FP8State (the scales, the weights' copies).
 
 Under the Triton interpreter (CPU tests), whose float -> FP8 conversion mis-rounds values that carry into
-the next binade and turns NaN into 384, the kernels encode FP8 by hand (fp8_quantize.py: round to nearest even
+the next binade and turns NaN into 384, the kernels encode FP8 by hand (../casts.py: round to nearest even
 in fp32, then the bit fields); on a GPU the hardware conversion (round to nearest even) does it.
 """
-
-import weakref
 
 import torch
 import triton
 import triton.language as tl
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .activations import activation, activation_grad, kernel_activations
-from .fp8_quantize import quantize, to_fp16
-from .matmul import _capability, column_offsets, matmul_loop, needs_int64, tile_ids
-from .tuning import AUTOTUNE, INTERPRET, _config, cdiv, launch, launch_matmul, matmul_configs, tuned_config
+from .. import env
+from ..activations import activation, activation_grad, kernel_activations
+from ..casts import quantize, to_fp16
+from ..matmul import column_offsets, matmul_loop, needs_int64, tile_ids
+from ..tuning import _config, cdiv, launch, launch_matmul, matmul_configs, tuned_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 X, H, GRAD_Y, GRAD_Z = range(4)  # the slots of FP8State: the tensors quantized with delayed scales
 SLOT_DTYPES = (E4M3, E4M3, E5M2, E5M2)
-FP8_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores
-
-
-def fp8_supported(device):
-    """FP8 GEMMs need FP8 tensor cores (compute capability 8.9+), or the CPU interpreter (tests)."""
-    if device.type == "cuda":
-        return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= FP8_CAPABILITY
-    return INTERPRET and device.type == "cpu"
-
-
-def check_fp8_device(device, setting="fp8=True", instead="use fp8=False"):
-    """One line naming the requirement, where FP8 cannot run (setting: how the caller's user asked for FP8, instead:
-    what to do about it)."""
-    if fp8_supported(device):
-        return
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = _capability(index)
-        where = f"{torch.cuda.get_device_name(index)} is sm_{major}{minor}"
-    else:
-        where = f"the device is {device.type}"
-    raise RuntimeError(f"{setting} needs FP8 tensor cores (an NVIDIA Ada or Hopper GPU, compute capability 8.9+); "
-                       f"{where}: {instead}")
 
 
 # ----------------------------------------------------------------------------------------------------------
 # quantization, as the kernels do it
+
 
 @triton.jit
 def _store_quantized(v, offs_m, offs_n, n_ok, M, Mp, q_ptr, stride_q, qt_ptr, stride_qt, scale, amax_ptr,
@@ -186,6 +164,7 @@ def weight_scale_kernel(amax_ptr, scale_ptr, inv_ptr, FP8_MAX: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------
 # the two epilogue kernels: bf16 main loops (matmul.matmul_loop), FP8 outputs
 
+
 @triton.jit
 def fp8_act_epilogue(z, z_up, inv, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, saved_ptr, scale_ptr, amax_ptr,
                      stride_sm, ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
@@ -240,7 +219,6 @@ def fp8_linear_act_kernel(
                      ACC_DTYPE, INT64, EMULATE)
 
 
-
 @triton.jit
 def fp8_dgrad_epilogue(grad_h, offs_m, offs_n, pid_m, M, Mp, N, saved_ptr, gz8_ptr, gzt8_ptr, dbias_ptr, scale_ptr,
                        amax_ptr, stride_sm, stride_dbm, GATED: tl.constexpr, BIAS_GRAD: tl.constexpr,
@@ -285,91 +263,7 @@ def fp8_dgrad_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the scales' state and the launchers
-
-_STATES = []  # weak references to every FP8State of the process, by number
-_optimizer_steps = 0  # optimizer steps taken in this process (torch.optim's global post-step hook counts them)
-
-
-def _count_optimizer_step(optimizer, args, kwargs):
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
-
-class FP8State(torch.nn.Module):
-    """One MLP's delayed scales (slots X, H, GRAD_Y, GRAD_Z) and its weights' FP8 copies.
-
-    Buffers, not parameters, and not saved in checkpoints (persistent=False): a resumed run calibrates
-    again on its first step. They stay fp32 whatever dtype the model is cast to."""
-
-    def __init__(self, history=16):
-        super().__init__()
-        if history < 1 or history & (history - 1):
-            raise ValueError(f"history must be a power of two (a Triton block), got {history}")
-        # inv_scale: one 16-byte row per slot, its value in column 0: cuBLAS reads a scale only from a 16-byte
-        # aligned address (CUBLAS_STATUS_NOT_SUPPORTED otherwise), and the GEMMs read these.
-        buffers = dict(history=torch.zeros(4, history), position=torch.zeros(4, dtype=torch.int32),
-                       amax=torch.zeros(4), scale=torch.ones(4), inv_scale=torch.ones(4, 4),
-                       fp8_max=torch.tensor([FP8_MAX[d] for d in SLOT_DTYPES]),
-                       unit=torch.tensor([1.0, 0.0]))  # scale 1 and a scratch amax, for transpose_fp8
-        for name, value in buffers.items():
-            self.register_buffer(name, value, persistent=False)
-        self.calibrated = False
-        self._weights = None  # (the parameters' identity and versions, their FP8 copies)
-        # Its number, which the compiled graph's operators carry to find it (fp8_autograd.py): creation order,
-        # so the same model gets the same numbers in every run (and compile's caches still match).
-        self.number = len(_STATES)
-        _STATES.append(weakref.ref(self))
-
-    def __setstate__(self, state):  # a deep copy or an unpickled one is a state of its own, with its own number
-        super().__setstate__(state)
-        self.number = len(_STATES)
-        _STATES.append(weakref.ref(self))
-
-    def _apply(self, fn, recurse=True):
-        for name, t in self._buffers.items():  # model.to(device, dtype) moves them, never casts them (fp32 scales)
-            self._buffers[name] = t.to(fn(t).device)
-        self._weights = None
-        return self
-
-    def weights(self, w_fc, w_proj):
-        """quantize_weight of W1 then of W2: (W1 (H or 2H, C), W1ᵀ, its 1/scale, W2 (C, H), W2ᵀ, its 1/scale), made
-        again only when the parameters may have changed: after any torch.optim optimizer's step (counted by a global
-        hook: the fused AdamW updates parameters without moving their version counters), or an in-place update that
-        moves them (load_state_dict, a foreach optimizer). So once per optimizer step, however many micro-steps use
-        them; remade in place (into the same tensors), so that a CUDA graph reading them reads the new ones. (An
-        update outside both, through .data, is not seen: call state.weights_changed().)"""
-        key = (_optimizer_steps, w_fc.data_ptr(), w_fc._version, w_proj.data_ptr(), w_proj._version, w_fc.dtype)
-        if self._weights is None or self._weights[0] != key:
-            old = None if self._weights is None else self._weights[1]
-            if old is not None and (old[0].shape, old[3].shape) != (w_fc.shape, w_proj.shape):
-                old = None  # (a model whose weights changed shape: new tensors)
-            with torch.no_grad():
-                copies = (*quantize_weight_fused(w_fc, None if old is None else old[:3]),
-                          *quantize_weight_fused(w_proj, None if old is None else old[3:]))
-            self._weights = (key, copies)
-        return self._weights[1]
-
-    def weights_changed(self):
-        self._weights = None
-
-    def extra_repr(self):
-        return f"history={self.history.shape[1]}, calibrated={self.calibrated}"
-
-
-def quantize_weight(w):
-    """(fp8(W · scale) in e4m3, the same transposed and contiguous, 1/scale), current scaling: both copies, since
-    each GEMM takes its operands K-major (the forward W, the input gradient's Wᵀ)."""
-    w = w.detach().float()
-    amax = w.abs().amax()
-    # (a tensor over a tensor: a float over a tensor is computed as float · (1/tensor), one rounding more than
-    # weight_scale_kernel's division, and the compiled and uncompiled paths must agree bit for bit)
-    scale = torch.where((amax > 0) & amax.isfinite(), amax.new_tensor(FP8_MAX[E4M3]) / amax, torch.ones_like(amax))
-    q = (w * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3])
-    q = torch.where(w.isinf(), float("nan"), q).to(E4M3)  # ±inf: NaN, as in the kernels
-    return q, q.t().contiguous(), scale.reciprocal().reshape(1)
+# the launchers (FP8State, the scales' state they read and update, is in state.py)
 
 
 def quantize_weight_fused(w, out=None):
@@ -390,20 +284,6 @@ def quantize_weight_fused(w, out=None):
     return q, qt, inv
 
 
-def _set_current_scale(state, slot, t=None):
-    """Calibration: the slot's scale from t's own amax, or (t None) from the amax a kernel just folded into the slot,
-    which is then reset (where it is finite and nonzero; else the scale stays)."""
-    if t is None:
-        amax = state.amax[slot].clone()
-        state.amax[slot] = 0.0
-    else:
-        amax = t.detach().abs().amax().float()
-    usable = (amax > 0) & amax.isfinite()
-    scale = torch.where(usable, state.fp8_max[slot] / torch.where(usable, amax, 1.0), state.scale[slot])
-    state.scale[slot] = scale
-    state.inv_scale[slot, 0] = scale.reciprocal()
-
-
 def update_scales(state):
     """After a backward: every slot's amax into its history, the next scales from the histories."""
     launch(update_scales_kernel, (4,), (state.history, state.position, state.amax, state.scale, state.inv_scale,
@@ -417,7 +297,7 @@ def _padded(m):
 # cast_transpose_kernel's tile and warps (BLOCK_M, BLOCK_C, num_warps), by whether it also writes the row-major
 # copy: with it (h, gz: 12288 x 3072) 2 warps took 60 µs against 74 with 4; without (x, gy: 12288 x 768) 4 warps
 # were best (lab/fp8/cast_tiles.py on an H200, results/fp8_cast_tiles_h200.txt).
-CAST_TILE = {True: (32, 32, 4), False: (32, 32, 4)} if INTERPRET else {True: (64, 64, 2), False: (64, 64, 4)}
+CAST_TILE = {True: (32, 32, 4), False: (32, 32, 4)} if env.INTERPRET else {True: (64, 64, 2), False: (64, 64, 4)}
 
 
 def cast_transpose(x2, state, slot, row_major=False, inv_scales=None):
@@ -439,7 +319,7 @@ def _cast_transpose_into(x2, q, qt, scale, amax, row_major, Mp, transposed=True,
     source, destination = copy or (None, None)
     launch(cast_transpose_kernel, (cdiv(Mp, bm), cdiv(C, bc)),
            (x2, q, qt, scale, amax, M, C, Mp, x2.stride(0), source, destination),
-           dict(ROW_MAJOR=row_major, EMULATE=INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=bm, BLOCK_C=bc,
+           dict(ROW_MAJOR=row_major, EMULATE=env.INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=bm, BLOCK_C=bc,
                 TRANSPOSED=transposed, COPY=source.numel() if copy else 0), warps)
 
 
@@ -455,11 +335,11 @@ def fp8_configs(gated, dtype):
     """The candidate tiles of matmul_configs whose epilogue takes the whole tile, at most 128x128: the transposed
     copy goes through shared memory (tl.trans), and on an H100 with Triton 3.6 tl.trans of a half tile from
     split_columns stored wrong values."""
-    if INTERPRET:
+    if env.INTERPRET:
         return [_config(32, 32, 32, 4, 1, group_m=2, split=False)]
     configs = [c for c in matmul_configs(gated, dtype, all_configs=True)
                if not c.kwargs["SPLIT_EPILOGUE"] and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
-    return configs if AUTOTUNE else configs[:1]
+    return configs if env.AUTOTUNE else configs[:1]
 
 
 def fp8_linear_act(x8, w8, inv, bias, activation, state, dtype):
@@ -474,7 +354,7 @@ def fp8_linear_act(x8, w8, inv, bias, activation, state, dtype):
     args = (x8, w8, bias if bias is not None else saved, h8, saved, state.scale[H:], state.amax[H:], *inv,
             M, Mp, N, K, x8.stride(0), x8.stride(1), w8.stride(0), w8.stride(1), saved.stride(0))
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, ACC_DTYPE=tl.float32,
-                  PRECISION="ieee", INT64=needs_int64(x8, w8, saved, h8), TMA=False, B_KMAJOR=True, EMULATE=INTERPRET)
+                  PRECISION="ieee", INT64=needs_int64(x8, w8, saved, h8), TMA=False, B_KMAJOR=True, EMULATE=env.INTERPRET)
     key = ("fp8_linear_act", N, K, dtype, w8.stride(), x8.device, *consts.values())
     launch_matmul(fp8_linear_act_kernel, M, N, K, args, consts, gated, dtype, key, configs=fp8_configs(gated, dtype))
     return h8, transpose_fp8(h8, Mp, state), saved
@@ -490,7 +370,7 @@ def fp8_dgrad(gy8, w2, inv, saved, activation, state, bias_grad):
     gz8 = torch.empty((M, width), device=saved.device, dtype=E5M2)
     gzt8 = torch.empty((width, Mp), device=saved.device, dtype=E5M2)
     consts = dict(GATED=gated, BIAS_GRAD=bias_grad, ACC_DTYPE=tl.float32, PRECISION="ieee",
-                  INT64=needs_int64(gy8, w2, saved, gzt8), TMA=False, B_KMAJOR=False, EMULATE=INTERPRET)
+                  INT64=needs_int64(gy8, w2, saved, gzt8), TMA=False, B_KMAJOR=False, EMULATE=env.INTERPRET)
     key = ("fp8_dgrad", N, K, saved.dtype, w2.stride(), gy8.device, *consts.values())
     cfg = tuned_config(key)  # one row of column sums per row-tile (before tuning: of the smallest BLOCK_M)
     configs = fp8_configs(False, saved.dtype)

@@ -1,6 +1,6 @@
 """Hopper (sm_90) warp-specialized "ping-pong" matmul with a fused epilogue, written in Gluon.
 
-Why a second main loop: in the Triton kernels (matmul.py) the warps that issue a tile's MMAs also run
+Why a second main loop: in the Triton kernels (../matmul.py) the warps that issue a tile's MMAs also run
 its epilogue (bias, GELU and GELU', two stores), so the tensor cores idle through every epilogue, and
 Triton's compiler does not overlap the two on Hopper (docs/performance.md). This kernel lays the overlap out
 itself. Each SM runs one persistent program of three warp partitions:
@@ -18,7 +18,9 @@ Gated activations: in the forward each B tile holds 64 gate rows and 64 up rows 
 output columns, so one MMA gives both halves (split in registers); the dgrad multiplies one grad_h tile
 by both saved halves. Outputs leave through TMA stores from staging tiles, 32 columns at a time.
 
-For the FP8 MLP (fp8.py), two more compile-time switches:
+For the FP8 MLP (../fp8/), two more compile-time switches (one kernel serves both: its FP8 variants are constexpr
+branches of the same code; their launchers are in ../fp8/hopper.py, which imports this module, never the reverse;
+the FP8 epilogue's quantize is ../casts.py's):
   FP8_IN: A and B are FP8 (e4m3, or e5m2 grad_y against e4m3 W2ᵀ: FP8 wgmma takes only K-major operands, and mixes
          the two formats), in K slices of 128 (128 bytes a row, as the 16-bit slices: the same ring); the
          accumulator is multiplied by the two operands' 1/scales before the epilogue (per-tensor scales).
@@ -32,22 +34,22 @@ Its main loop runs at cuBLAS speed and its epilogues cost far less than the Trit
 (docs/performance.md). Only for what TMA and wgmma take: 16-bit operands and outputs of one dtype (or the FP8
 ones above), rows 16-byte aligned (gated: N a multiple of 8), a GPU of capability 9.x and Triton's Gluon (3.6 is
 what it was built with). The Triton kernels do everything else, and the gated dgrad where they are faster
-(takes_dgrad); FUSED_OPS_PINGPONG=0 turns this off. If this kernel fails to compile or launch (Gluon changes
+(takes_dgrad); FUSED_OPS_PINGPONG=0 turns this off (env.py). dispatch.py hands the core's launchers these
+kernels (usable() and takes_dgrad() decide). If this kernel fails to compile or launch (Gluon changes
 between Triton releases), they take over too, after one FallbackWarning.
 """
 
 import functools
-import os
 import types
 import warnings
 
 import torch
 
-from . import matmul
-from .activations import activation, activation_grad, gelu_and_grad_16bit, silu_and_grad
-from .fp8_quantize import quantize
-from .matmul import split_columns, tile_ids
-from .tuning import INTERPRET, _specialization, cdiv
+from .. import env, matmul
+from ..activations import activation, activation_grad, gelu_and_grad_16bit, silu_and_grad
+from ..casts import quantize
+from ..matmul import split_columns, tile_ids
+from ..tuning import _specialization, cdiv
 
 try:  # Gluon is experimental and changes between Triton releases: anything missing turns this kernel off
     from triton.experimental import gluon
@@ -61,11 +63,10 @@ try:  # Gluon is experimental and changes between Triton releases: anything miss
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     if not hasattr(gl.shared_memory_descriptor, "reinterpret"):  # (Triton 3.6 names it _reinterpret)
         gl.shared_memory_descriptor.reinterpret = gl.shared_memory_descriptor._reinterpret
-    AVAILABLE = hasattr(gl, "warp_specialize") and not INTERPRET
+    AVAILABLE = hasattr(gl, "warp_specialize") and not env.INTERPRET
 except (ImportError, AttributeError):  # a Triton without (this) Gluon: the Triton kernels do everything
     AVAILABLE = False
 
-ENABLED = os.environ.get("FUSED_OPS_PINGPONG", "1") == "1"
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a consumer's MMA tile: two warpgroups of 64 rows each
 PART = 32  # columns per TMA store (and per step of the epilogue's math)
 # (EPILOGUE, GATED) -> (ring slots of 32 KB, staging tiles of [BLOCK_M, PART] = 8 KB, half per consumer).
@@ -440,7 +441,7 @@ def usable(a, matrices, vectors=(), split=None):
     split: a gated op's column count N, where its [gate | up] matrices are cut in two (each half's start
     16-byte aligned)."""
     fp8_in = a.dtype in FP8_DTYPES
-    if not (AVAILABLE and ENABLED and (a.dtype in SIXTEEN_BIT or fp8_in) and a.is_cuda):
+    if not (AVAILABLE and env.PINGPONG and (a.dtype in SIXTEEN_BIT or fp8_in) and a.is_cuda):
         return False
     device = a.device
     if not (matmul.tma_available(device) and matmul._capability(device.index)[0] == 9):
@@ -593,66 +594,6 @@ def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, 
         _fails(e)
         return False
     return True
-
-
-FP8_FAILURE = None  # the exception that turned the FP8 output off (the 16-bit kernels keep running), if one did
-
-
-def usable_fp8(a, matrices, vectors, width, split=None, dgrad=False):
-    """Whether linear_act_forward_fp8 / dgrad_fp8 can run on these operands (a and the first matrix FP8):
-    usable()'s conditions (split: a gated op's N), an FP8 output of width columns that TMA can write, and the FP8
-    variants not failed before. The gated dgrad writes both halves through one descriptor, so they must meet at a
-    tile's edge (N a multiple of BLOCK_N)."""
-    return (FP8_FAILURE is None and FAILURE is None and width % 16 == 0 and not (split and dgrad and split % BLOCK_N)
-            and usable(a, matrices, vectors, split))
-
-
-def _launch_fp8(what, *args, **kwargs):
-    """_launch for an FP8_OUT variant: True, or False after a failure (now or before in this process), which turns
-    off the FP8 variants only (the 16-bit kernels then run and a cast pass quantizes), with one warning."""
-    global FP8_FAILURE
-    if FP8_FAILURE is not None or FAILURE is not None:
-        return False
-    try:
-        _launch(*args, **kwargs)
-    except Exception as e:
-        FP8_FAILURE = e
-        warnings.warn(f"the Hopper ping-pong kernel's FP8 output failed ({type(e).__name__}: {e}); {what} is cast by "
-                      "a separate pass instead for the rest of this process", FallbackWarning, stacklevel=3)
-        return False
-    return True
-
-
-def linear_act_forward_fp8(x8, w8, inv, bias, activation, h8, h8t, saved, scale, amax, up_activation="identity",
-                           gated=False):
-    """The FP8 MLP's forward GEMM, FP8 in and out: h = act(x8 @ w8.T · inv[0] · inv[1] + bias) for x8 (M, K) and
-    w8 (N, K) in e4m3 (gated: w8 (2N, K) = [gate; up], h = act(gate) · up_act(up)), h8 = fp8(h · scale[0]) (M, N),
-    h8t its transpose (N, Mp >= M, columns past M zeros), amax[0] = max(amax[0], max |h|), and saved = dh/dz
-    (gated: (M, 2N) = [dh/dgate | dh/dup]). Returns False if the kernel failed (see _launch_fp8): the caller then
-    runs the 16-bit output and casts."""
-    N = h8.shape[1]
-    halves = dict(b2=w8[N:], aux2=saved[:, N:]) if gated else {}
-    return _launch_fp8("h", x8, w8[:N] if gated else w8, h8, saved[:, :N] if gated else saved, bias, None, True,
-                       out2=h8t, scale=scale, amax=amax, inv=inv, **halves, EPILOGUE="act", ACTIVATION=activation,
-                       UP_ACTIVATION=up_activation, GATED=gated, HAS_BIAS=bias is not None, SAVE=True, FP8_OUT=True)
-
-
-def dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, scale, amax, gated=False):
-    """The FP8 MLP's dgrad, FP8 in and out: grad_z = (gy8 @ w2t8.T · inv[0] · inv[1]) * saved for gy8 (M, K) in
-    e5m2 and W2ᵀ = w2t8 (N, K) in e4m3 (K-major, as FP8 operands must be); gz8 = fp8(grad_z · scale[0]) (M, W) in
-    e5m2, gz8t its transpose (W, Mp >= M, columns past M zeros), amax[0] = max(amax[0], max |grad_z|). Gated: saved,
-    grad_z (M, W = 2N) = [gate | up] halves, each multiplied by the same grad_h (see usable_fp8 for N).
-    Returns (True, the column sums of the unquantized grad_z in fp32 if bias_grad else None), or (False, None)
-    as linear_act_forward_fp8."""
-    N = w2t8.shape[0]
-    partial = (torch.empty((cdiv(gy8.shape[0], BLOCK_M), gz8.shape[1]), device=gz8.device, dtype=torch.float32)
-               if bias_grad else None)
-    halves = dict(aux2=saved[:, N:]) if gated else {}
-    if not _launch_fp8("grad_z", gy8, w2t8, gz8, saved[:, :N] if gated else saved, None, partial, True, out2=gz8t,
-                       scale=scale, amax=amax, inv=inv, n=N, **halves, EPILOGUE="mul", ACTIVATION="identity",
-                       UP_ACTIVATION="identity", GATED=gated, HAS_BIAS=bias_grad, SAVE=False, FP8_OUT=True):
-        return False, None
-    return True, (partial.sum(0) if bias_grad else None)
 
 
 def dgrad(grad_y, w2, saved, out, gated, bias_grad, inv=None):

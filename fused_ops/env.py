@@ -1,0 +1,32 @@
+"""Every environment switch of fused_ops, read once, here, when the package is imported.
+
+A leaf module (it imports nothing of the repository): every other module reads its switch as `env.NAME` when it
+needs it, so a test that changes one patches it here (monkeypatch.setattr(env, "PINGPONG", False)).
+A few are frozen into compile-time constants at import (the interpreter's: activations.py, matmul.py, fp8/kernels.py).
+
+| variable                | default                           | constant       | meaning                                                                                    |
+|-------------------------|-----------------------------------|----------------|--------------------------------------------------------------------------------------------|
+| TRITON_INTERPRET        | 0                                 | INTERPRET      | Triton's own: run the kernels on CPU through its interpreter (the test suite sets it)      |
+| FUSED_OPS_AUTOTUNE      | 1                                 | AUTOTUNE       | time every candidate tile config (tuning.py); 0 keeps the first (the test suite sets it)   |
+| FUSED_OPS_TMA           | auto                              | TMA_MODE       | the TMA main loop (matmul.py): auto on Hopper+ GPUs, 0 never, 1 also under the interpreter |
+| FUSED_OPS_DIRECT_LAUNCH | 1                                 | DIRECT_LAUNCH  | call kept compiled kernels (tuning.LaunchPlan); 0 launches through Triton's JIT            |
+| FUSED_OPS_TUNING_CACHE  | ~/.cache/fused_ops/tuning.json    | TUNING_CACHE   | file of the tuned tile choices (tuning.py); 0 keeps none                                   |
+| FUSED_OPS_PINGPONG      | 1                                 | PINGPONG       | Hopper's Gluon ping-pong kernels (hopper/); 0 leaves everything to the Triton kernels      |
+| FUSED_OPS_GRAPHS        | 1                                 | GRAPHS         | per-shape CUDA graphs of the uncompiled fused MLP (graphs.py); 0 off                        |
+| FUSED_OPS_PRECOMPILE    | 1                                 | PRECOMPILE     | compile the MLP's kernels in a child process at start-up (precompile.py); 0 off            |
+
+(The default cache file sits under $XDG_CACHE_HOME when that is set.) precompile.py starts its child with
+FUSED_OPS_AUTOTUNE=0 and FUSED_OPS_TUNING_CACHE=0.
+"""
+
+import os
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+AUTOTUNE = os.environ.get("FUSED_OPS_AUTOTUNE", "1") == "1"
+TMA_MODE = os.environ.get("FUSED_OPS_TMA", "auto")
+DIRECT_LAUNCH = os.environ.get("FUSED_OPS_DIRECT_LAUNCH", "1") == "1"
+TUNING_CACHE = os.environ.get("FUSED_OPS_TUNING_CACHE", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fused_ops", "tuning.json"))
+PINGPONG = os.environ.get("FUSED_OPS_PINGPONG", "1") == "1"
+GRAPHS = os.environ.get("FUSED_OPS_GRAPHS", "1") != "0"
+PRECOMPILE = os.environ.get("FUSED_OPS_PRECOMPILE", "1") != "0"

@@ -1,0 +1,139 @@
+"""FP8State, one MLP's delayed scales and its weights' FP8 copies, and the device checks (kernels.py's docstring has the
+scaling recipe: per-tensor delayed scaling, calibrated on the first call).
+
+quantize_weight is the weights' current scaling in plain PyTorch (what the compiled graph runs; kernels.py's
+quantize_weight_fused is the same, bit for bit, in kernels); _set_current_scale calibrates a slot.
+"""
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .. import env
+from ..matmul import _capability
+from .kernels import E4M3, FP8_MAX, SLOT_DTYPES, quantize_weight_fused
+
+FP8_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90) have FP8 tensor cores
+
+
+def fp8_supported(device):
+    """FP8 GEMMs need FP8 tensor cores (compute capability 8.9+), or the CPU interpreter (tests)."""
+    if device.type == "cuda":
+        return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= FP8_CAPABILITY
+    return env.INTERPRET and device.type == "cpu"
+
+
+def check_fp8_device(device, setting="fp8=True", instead="use fp8=False"):
+    """One line naming the requirement, where FP8 cannot run (setting: how the caller's user asked for FP8, instead:
+    what to do about it)."""
+    if fp8_supported(device):
+        return
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = _capability(index)
+        where = f"{torch.cuda.get_device_name(index)} is sm_{major}{minor}"
+    else:
+        where = f"the device is {device.type}"
+    raise RuntimeError(f"{setting} needs FP8 tensor cores (an NVIDIA Ada or Hopper GPU, compute capability 8.9+); "
+                       f"{where}: {instead}")
+
+
+_STATES = []  # weak references to every FP8State of the process, by number
+_optimizer_steps = 0  # optimizer steps taken in this process (torch.optim's global post-step hook counts them)
+
+
+def _count_optimizer_step(optimizer, args, kwargs):
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+class FP8State(torch.nn.Module):
+    """One MLP's delayed scales (slots X, H, GRAD_Y, GRAD_Z) and its weights' FP8 copies.
+
+    Buffers, not parameters, and not saved in checkpoints (persistent=False): a resumed run calibrates
+    again on its first step. They stay fp32 whatever dtype the model is cast to."""
+
+    def __init__(self, history=16):
+        super().__init__()
+        if history < 1 or history & (history - 1):
+            raise ValueError(f"history must be a power of two (a Triton block), got {history}")
+        # inv_scale: one 16-byte row per slot, its value in column 0: cuBLAS reads a scale only from a 16-byte
+        # aligned address (CUBLAS_STATUS_NOT_SUPPORTED otherwise), and the GEMMs read these.
+        buffers = dict(history=torch.zeros(4, history), position=torch.zeros(4, dtype=torch.int32),
+                       amax=torch.zeros(4), scale=torch.ones(4), inv_scale=torch.ones(4, 4),
+                       fp8_max=torch.tensor([FP8_MAX[d] for d in SLOT_DTYPES]),
+                       unit=torch.tensor([1.0, 0.0]))  # scale 1 and a scratch amax, for transpose_fp8
+        for name, value in buffers.items():
+            self.register_buffer(name, value, persistent=False)
+        self.calibrated = False
+        self._weights = None  # (the parameters' identity and versions, their FP8 copies)
+        # Its number, which the compiled graph's operators carry to find it (fp8_autograd.py): creation order,
+        # so the same model gets the same numbers in every run (and compile's caches still match).
+        self.number = len(_STATES)
+        _STATES.append(weakref.ref(self))
+
+    def __setstate__(self, state):  # a deep copy or an unpickled one is a state of its own, with its own number
+        super().__setstate__(state)
+        self.number = len(_STATES)
+        _STATES.append(weakref.ref(self))
+
+    def _apply(self, fn, recurse=True):
+        for name, t in self._buffers.items():  # model.to(device, dtype) moves them, never casts them (fp32 scales)
+            self._buffers[name] = t.to(fn(t).device)
+        self._weights = None
+        return self
+
+    def weights(self, w_fc, w_proj):
+        """quantize_weight of W1 then of W2: (W1 (H or 2H, C), W1ᵀ, its 1/scale, W2 (C, H), W2ᵀ, its 1/scale), made
+        again only when the parameters may have changed: after any torch.optim optimizer's step (counted by a global
+        hook: the fused AdamW updates parameters without moving their version counters), or an in-place update that
+        moves them (load_state_dict, a foreach optimizer). So once per optimizer step, however many micro-steps use
+        them; remade in place (into the same tensors), so that a CUDA graph reading them reads the new ones. (An
+        update outside both, through .data, is not seen: call state.weights_changed().)"""
+        key = (_optimizer_steps, w_fc.data_ptr(), w_fc._version, w_proj.data_ptr(), w_proj._version, w_fc.dtype)
+        if self._weights is None or self._weights[0] != key:
+            old = None if self._weights is None else self._weights[1]
+            if old is not None and (old[0].shape, old[3].shape) != (w_fc.shape, w_proj.shape):
+                old = None  # (a model whose weights changed shape: new tensors)
+            with torch.no_grad():
+                copies = (*quantize_weight_fused(w_fc, None if old is None else old[:3]),
+                          *quantize_weight_fused(w_proj, None if old is None else old[3:]))
+            self._weights = (key, copies)
+        return self._weights[1]
+
+    def weights_changed(self):
+        self._weights = None
+
+    def extra_repr(self):
+        return f"history={self.history.shape[1]}, calibrated={self.calibrated}"
+
+
+def quantize_weight(w):
+    """(fp8(W · scale) in e4m3, the same transposed and contiguous, 1/scale), current scaling: both copies, since
+    each GEMM takes its operands K-major (the forward W, the input gradient's Wᵀ)."""
+    w = w.detach().float()
+    amax = w.abs().amax()
+    # (a tensor over a tensor: a float over a tensor is computed as float · (1/tensor), one rounding more than
+    # weight_scale_kernel's division, and the compiled and uncompiled paths must agree bit for bit)
+    scale = torch.where((amax > 0) & amax.isfinite(), amax.new_tensor(FP8_MAX[E4M3]) / amax, torch.ones_like(amax))
+    q = (w * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3])
+    q = torch.where(w.isinf(), float("nan"), q).to(E4M3)  # ±inf: NaN, as in the kernels
+    return q, q.t().contiguous(), scale.reciprocal().reshape(1)
+
+
+def _set_current_scale(state, slot, t=None):
+    """Calibration: the slot's scale from t's own amax, or (t None) from the amax a kernel just folded into the slot,
+    which is then reset (where it is finite and nonzero; else the scale stays)."""
+    if t is None:
+        amax = state.amax[slot].clone()
+        state.amax[slot] = 0.0
+    else:
+        amax = t.detach().abs().amax().float()
+    usable = (amax > 0) & amax.isfinite()
+    scale = torch.where(usable, state.fp8_max[slot] / torch.where(usable, amax, 1.0), state.scale[slot])
+    state.scale[slot] = scale
+    state.inv_scale[slot, 0] = scale.reciprocal()
