@@ -610,32 +610,6 @@ def test_interleaved_forwards_and_backwards_keep_each_forwards_scales():
         assert rel(o, r) <= 0.5 * rel(r, e), name
 
 
-def _two_process_scales(rank, world, port, out):
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    fc, proj = make_mlp(32, 64, "gelu", torch.float16, "cpu", bias=False)
-    state = FP8State()
-    torch.manual_seed(rank)
-    for _ in range(2):
-        x = (torch.randn(32, 32, dtype=torch.float16) * (1 + 9 * rank)).requires_grad_()  # rank 1's amax is larger
-        fp8_mlp(x, fc, proj, "gelu", state).backward(torch.randn(32, 32, dtype=torch.float16) * 1e-3)
-    torch.save({"scale": state.scale, "history": state.history}, f"{out}/{rank}.pt")
-    dist.destroy_process_group()
-
-
-def test_processes_share_one_set_of_scales(tmp_path):
-    """Under torch.distributed the amaxes are reduced (MAX) before every update: every process quantizes alike."""
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_two_process_scales, args=(2, port, str(tmp_path)), nprocs=2)
-    a, b = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
-    assert torch.equal(a["scale"], b["scale"]) and torch.equal(a["history"], b["history"])
-    assert a["history"][fp8.X, :2].min() > 10  # rank 1's x (std 10) set both processes' x amax
-
-
 @pytest.mark.gpu
 @needs_fp8_gpu
 def test_fp8_mlp_under_autocast_on_the_gpu():

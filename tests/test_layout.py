@@ -1,5 +1,7 @@
-"""The repository's layout, as the issue asks for it: a short top level (the scripts a user runs, model.py and the
-folders), helpers/ below the scripts, imports pointing one way (no circles), and no product file too long to read."""
+"""The repository's layout, read from the source with ast (nothing imported): a short top level (the scripts a user
+runs, model.py and the folders), helpers/ below the scripts, imports pointing one way (no circles anywhere), fused_ops
+in layers (the portable core imports none of the Hopper kernels, FP8 or the speed machinery; hopper/ never imports
+fp8/; env.py is a leaf), and no product file too long to read."""
 
 import ast
 import glob
@@ -9,13 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"train", "sample", "prepare", "export", "bench", "bench_mlp"}
 MAX_TOP_LEVEL = 8
 MAX_LINES = 500
-LONG_ALLOWED = {
-    "fused_ops/pingpong.py",  # the Gluon kernel: one warp-specialized kernel, read as a whole
-    "fused_ops/fp8.py",  # 502 lines today; fused_ops/ is reorganized apart from this layout: drop it from here then
-}
+LONG_ALLOWED = {"fused_ops/hopper/pingpong.py"}  # the Gluon kernel: one warp-specialized kernel, read as a whole
+PRODUCT = ("", "helpers", "fused_ops", "fused_ops/hopper", "fused_ops/fp8")
+CORE = ["env", "casts", "activations", "tuning", "matmul", "linear_act", "dgrad", "layernorm", "ops", "mlp", "backends"]
+NOT_IN_CORE = ("hopper", "fp8", "graphs", "precompile", "layers")
 
 
-def product_files(folders=("", "helpers", "fused_ops")):
+def product_files(folders=PRODUCT):
     """Repo-relative paths of the product's .py files: the top level and its packages (not tests/, lab/, configs/)."""
     return sorted(os.path.relpath(p, ROOT) for f in folders for p in glob.glob(os.path.join(ROOT, f, "*.py")))
 
@@ -89,13 +91,36 @@ def import_graph(folders):
     return {module_name(p): imports_of(p, modules) for p in files}
 
 
-# Only the top level and helpers/: fused_ops/ has a circle of its own today (tuning -> precompile -> mlp -> tuning,
-# through imports inside functions), which its own refactoring removes; then add "fused_ops" to the folders here.
-def test_no_import_circles_among_the_scripts_and_helpers():
-    """Imports point one way: scripts -> helpers -> model.py -> fused_ops (a package importing its own __init__
-    does not count: every fused_ops module is imported through it)."""
-    graph = import_graph(("", "helpers"))
+def closure(graph, name):
+    """Every module `name` imports, directly or through others."""
+    seen, todo = set(), [name]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_no_import_circles():
+    """Imports point one way: scripts -> helpers -> model.py -> fused_ops, and inside fused_ops core -> hopper ->
+    fp8 -> graphs / layers (a module importing its own package's __init__ does not count)."""
+    graph = import_graph(PRODUCT)
     assert cycles(graph) == [], cycles(graph)
+
+
+def test_the_fused_ops_core_imports_no_hardware_fp8_or_speed_machinery():
+    graph = import_graph(PRODUCT)
+    for name in CORE:
+        bad = {m for m in closure(graph, f"fused_ops.{name}") if m.split(".")[1:2] and m.split(".")[1] in NOT_IN_CORE}
+        assert not bad, f"fused_ops.{name} imports {sorted(bad)}"
+
+
+def test_hopper_never_imports_fp8_and_env_is_a_leaf():
+    graph = import_graph(PRODUCT)
+    for name in [m for m in graph if m.startswith("fused_ops.hopper")]:
+        assert not {m for m in closure(graph, name) if m.startswith("fused_ops.fp8")}, name
+    assert graph["fused_ops.env"] == set()
 
 
 def test_helpers_never_import_a_script():
