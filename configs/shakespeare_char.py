@@ -28,5 +28,5 @@ warmup_iters = 100
 
 sample_after = True
 # CUDA graphs: this small model is bound by kernel launches without them (H100: 2 min 2 s for the 5000
-# iterations, against 2 min 58 s uncompiled). Under torchrun train.py uses plain torch.compile instead.
+# iterations, against 2 min 58 s uncompiled). Under torchrun too (results/several_gpus_h100.txt).
 compile = "reduce-overhead"

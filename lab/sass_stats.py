@@ -18,6 +18,7 @@ import importlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -27,18 +28,9 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8"))
+from epilogue_probe import fp8_launcher  # noqa: E402 (the FP8 launchers, launching a variant module's kernel)
 
-def fp8_launcher(mod, name):
-    """fused_ops/fp8/hopper.py's launcher `name`, launching mod's kernel (hopper/pingpong.py or a variant of it)."""
-    from fused_ops.fp8 import hopper as fp8_hopper
-
-    def run(*args):
-        kept, fp8_hopper.pingpong = fp8_hopper.pingpong, mod
-        try:
-            return getattr(fp8_hopper, name)(*args)
-        finally:
-            fp8_hopper.pingpong = kept
-    return run
 
 COUNTED = ("BAR.SYNC", "STS.U8", "STS.U16", "STS ", "STS.64", "STS.128", "STSM", "SHFL", "STL", "LDL", "MUFU")
 
