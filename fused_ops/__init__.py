@@ -1,15 +1,36 @@
 """Triton kernels for a fused MLP: linear+bias+activation forward, dgrad with the activation derivative
 fused, gated (GLU) variants, their autograd Functions and fused_mlp_layers (model.MLP's fused path).
 
-The layers, each importing only those before it (tests/test_fused_ops_layout.py checks it); README.md has the
-reading order file by file:
-- env.py: every environment switch, read once (a leaf);
-- the portable core: casts, activations -> tuning -> matmul -> linear_act / dgrad / layernorm -> ops -> mlp, with
-  backends.py, where a faster kernel for an op registers (the core never imports one);
-- hopper/: Hopper's Gluon ping-pong kernels, registered with backends by hopper/dispatch.py;
-- fp8/: the FP8 MLP (its Triton kernels, FP8State, the ping-pong kernel's FP8 outputs, its autograd);
-- graphs.py and precompile.py: the speed machinery (CUDA graphs; compiling in a child process at start-up);
-- layers.py: the runners model.MLP picks from (FusedMLP, FP8MLP, AutoMLP).
+The package is in layers, each importing only those before it (tests/test_layout.py checks it); every FUSED_OPS_*
+switch is in env.py (read once, a leaf), with its default and meaning. Each file explains its kernel in prose
+before the code. The reading order:
+
+The portable core (any GPU Triton runs on, or the CPU interpreter; no Hopper kernel, FP8 or speed machinery):
+
+1. activations.py: every activation and its derivative as a Triton function chosen by a compile-time name.
+2. tuning.py: block sizes, our own tuning keyed by the weight (never the batch size), and launch plans.
+3. matmul.py: the matmul main loop every kernel shares (TMA on Hopper, pointers elsewhere), tile order, epilogues
+   (casts.py: the FP8 tile casts the main loop and the FP8 kernels share).
+4. linear_act.py: act(x @ W.T + b) with dh/dz saved for backward; gated activations from one read of x.
+5. dgrad.py: (grad_y @ W2) * dh/dz and the first bias gradient, in one kernel for every activation.
+6. layernorm.py: the LayerNorm folded into the first matmul (fuse_ln=True), and its one-pass backward.
+7. ops.py: the kernels as torch.library operators, so torch.compile (even fullgraph=True) compiles around them.
+8. mlp.py: argument checks and the MLP's autograd: the two kernels above plus cuBLAS for the rest.
+9. backends.py: where a faster kernel for an op registers; linear_act.py and dgrad.py ask it before launching.
+
+Then, above the core:
+
+10. hopper/: pingpong.py, the Hopper forward and dgrad in Gluon, warp-specialized, and dispatch.py, which
+    registers them with backends.py; if the kernel fails to compile or launch on your Triton, the Triton kernels
+    take over after one FallbackWarning (FUSED_OPS_PINGPONG=0 turns it off).
+11. fp8/: the opt-in FP8 MLP. kernels.py: delayed per-tensor scales (the recipe), the casts and the Triton
+    epilogues (off Hopper) that write the FP8 copies; state.py: FP8State; hopper.py: on Hopper the ping-pong
+    kernel's FP8 main loops and epilogues (FP8_IN, FP8_OUT); autograd.py runs it, outside torch.compile and inside.
+12. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
+    shape, so its dozen launches cost one (FUSED_OPS_GRAPHS=0 turns them off: they keep memory).
+13. precompile.py: with a cold Triton cache, a child process compiles the MLP's kernels while the run starts up
+    (FUSED_OPS_PRECOMPILE=0 turns it off).
+14. layers.py: the runners model.MLP picks once (FusedMLP, FP8MLP, AutoMLP), which own the CUDA graphs.
 """
 
 from .activations import GATED, PLAIN, kernel_activations
