@@ -1,7 +1,8 @@
 """
 Where and how a script runs: the device, the precision (autocast), and whether the fused MLP can run there.
-train.py and sample.py ask these before any work, so a wrong setting is one line naming the flag. And to_host,
-how train.py reads a step's loss without stalling the GPU.
+train.py and sample.py ask these before any work, so a wrong setting is one line naming the flag. Then what train.py
+and bench.py run a step with: the model under DDP and torch.compile (wrap_model), the steps' marks and gradients
+under CUDA graphs (new_step, zero_grads), and to_host, how a step's loss is read without stalling the GPU.
 """
 
 import contextlib
@@ -83,13 +84,15 @@ def check_interpreter_dtype(mlp, device, dtype, setting=None):
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the torch.compile modes that add CUDA graphs
 
 
-BUCKET_MB = 100  # DDP's gradient buckets: GPT-2 124M on 4 H100s ran faster with 100 MB than DDP's 25 (fewer graph pieces)
+# DDP's gradient bucket size: GPT-2 124M on 4 H100s kept 95.0% of the 1-GPU rate per GPU with 100 MB against 92.2% with
+# DDP's default 25 MB (fewer graph pieces; results/several_gpus_h100.txt)
+BUCKET_MB = 100
 
 
 def wrap_model(model, compile, world, device_type, bucket_cap_mb=BUCKET_MB):
     """The model a training step runs: DDP-wrapped when world > 1, then compiled as asked (compile: False, True or a
     torch.compile mode). DDP goes inside torch.compile, so that compile splits the graph at DDP's gradient buckets
-    and each bucket's all-reduce runs while the backward computes the next (docs/performance.md); CUDA-graph modes
+    and each bucket's all-reduce can run while the backward computes the next (docs/performance.md); CUDA-graph modes
     then graph each piece. No buffer broadcast: the only buffers are the FP8 MLP's scales, which each process keeps
     for itself (docs/numerics.md). bucket_cap_mb: DDP's gradient bucket size (docs/performance.md)."""
     if world > 1:

@@ -94,3 +94,21 @@ def test_fp8_under_ddp_follows_one_process_within_the_fp8_rule(two_processes):
     # each process quantizes with its own scales: no collective made them equal
     scales = [two_processes[rank]["fp8"][1] for rank in range(2)]
     assert any(not torch.equal(a, b) for a, b in zip(*scales))
+
+
+def test_zero_grads_keeps_gradients_allocated_under_cuda_graphs():
+    """Under a CUDA-graph mode the gradients are allocated before the first step and zeroed in place after (never
+    handed over from a graph's memory, where the next micro-step's replay would overwrite them); elsewhere they are
+    dropped (set to None) as before."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    runtime.zero_grads(model, opt, "reduce-overhead")
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and not g.any() for g in grads)
+    model(torch.ones(2, 4)).sum().backward()
+    assert all(g.any() for g in grads)  # accumulated into the same tensors
+    runtime.zero_grads(model, opt, "reduce-overhead")
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads)) and not any(g.any() for g in grads)
+    runtime.zero_grads(model, opt, True)
+    assert all(p.grad is None for p in model.parameters())
+
