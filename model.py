@@ -128,10 +128,24 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+class EagerMLP:
+    """The reference path, plain PyTorch: c_proj(act(c_fc(norm(x)))). Called like fused_ops' runners, with the
+    layers passed in (a runner holds no reference to its module: no cycle keeps a dropped model's weights alive)."""
+
+    def __init__(self, activation):
+        self.activation = activation
+
+    def __call__(self, x, c_fc, c_proj, norm=None):
+        h = c_fc(x if norm is None else norm(x))
+        if self.activation in GATED_ACTIVATIONS:
+            return c_proj(GATED_ACTIVATIONS[self.activation](*h.chunk(2, dim=-1)))
+        return c_proj(PLAIN_ACTIVATIONS[self.activation](h))
+
+
 class MLP(nn.Module):
     """c_fc, activation, c_proj. For gated activations c_fc makes [gate | up] in one matmul.
 
-    The one switch between the two paths is here: config.mlp = "eager" runs the PyTorch below, "fused" the
+    The one switch between the two paths is here: config.mlp = "eager" runs EagerMLP's PyTorch, "fused" the
     Triton kernels of fused_ops (same parameters, so checkpoints load either way), "auto" the kernels where
     they can run (CUDA tensors, or the CPU interpreter) and the PyTorch elsewhere.
     It takes the block's LayerNorm as an argument and applies it first, so that the fused path can fold the
@@ -149,27 +163,19 @@ class MLP(nn.Module):
         if fused_ops is None:
             self.kind = "eager"  # (also "auto" without Triton)
         self.fp8 = fused_ops.FP8State() if config.fp8 and fused_ops else None  # its delayed scales (not saved)
-        # The path, picked once: a runner of fused_ops (which owns its CUDA graphs), or the PyTorch below.
+        # The path, picked once: a runner of fused_ops (which owns its CUDA graphs), or EagerMLP.
+        eager = EagerMLP(self.activation)
         if self.kind == "eager":
-            self.path = self.eager
+            self.path = eager
         elif self.fp8 is not None:
             self.path = fused_ops.FP8MLP(self.activation, self.fp8)
         elif self.kind == "fused":
             self.path = fused_ops.FusedMLP(self.activation, self.fuse_ln)
         else:  # "auto": the kernels where they can run on x's device, this PyTorch elsewhere
-            self.path = fused_ops.AutoMLP(fused_ops.FusedMLP(self.activation, self.fuse_ln), self.eager)
+            self.path = fused_ops.AutoMLP(fused_ops.FusedMLP(self.activation, self.fuse_ln), eager)
 
     def forward(self, x, norm=None):
         return self.dropout(self.path(x, self.c_fc, self.c_proj, norm))
-
-    def eager(self, x, c_fc, c_proj, norm=None):
-        """The reference path, plain PyTorch: c_proj(act(c_fc(norm(x))))."""
-        h = c_fc(x if norm is None else norm(x))
-        if self.gated:
-            h = GATED_ACTIVATIONS[self.activation](*h.chunk(2, dim=-1))
-        else:
-            h = PLAIN_ACTIVATIONS[self.activation](h)
-        return c_proj(h)
 
 
 def import_fused_ops(required):
