@@ -324,7 +324,8 @@ def several_gpus(args, argv):
             spread = [row["tokens_per_s"] * row["ms_per_step"] / m for m in (row["round_ms"] or [row["ms_per_step"]])]
             rows.append({"mlp": r["mlp"], "compile": r["compile"], "gpus": n, "ms_per_step": row["ms_per_step"],
                          "tokens_per_s_per_gpu": row["tokens_per_s"], "per_gpu_min": min(spread),
-                         "per_gpu_max": max(spread), "first_losses": row["first_losses"], "vs_first": row["tokens_per_s"] / r["tokens_per_s"],
+                         "per_gpu_max": max(spread), "first_losses": row["first_losses"],
+                         "vs_first": row["tokens_per_s"] / r["tokens_per_s"],
                          # against eager in its fastest mode on as many GPUs
                          "vs_eager": row["tokens_per_s"] / max(
                              (e["tokens_per_s"] for e in runs[n] if e["mlp"] == "eager"), default=float("nan"))})
@@ -349,13 +350,14 @@ def run(args):
     torch.manual_seed(0)
     state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
     variants = [(m, compile_setting(c)) for c in args.compile.split(",") for m in args.mlps.split(",")]
+    master = not dist.is_initialized() or dist.get_rank() == 0  # (under torchrun: several_gpus)
     if args.rounds > 1:
         rows = run_interleaved(model_args, state, variants, batches, args, dtype)
     else:
         rows = [run_variant(model_args, state, mlp, compiled, batches, args, dtype)
-                for mlp, compiled in tqdm(variants, desc="variants", disable=dist.is_initialized() and dist.get_rank() > 0)]
+                for mlp, compiled in tqdm(variants, desc="variants", disable=not master)]
 
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if not master:
         return rows  # (rank 0 writes and prints)
     name = os.path.splitext(os.path.basename(args.config))[0] + (f"_{args.activation}" if args.activation else "")
     out = args.out or os.path.join("results", f"bench_{name}")
