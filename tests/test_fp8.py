@@ -357,6 +357,15 @@ def test_weight_copies_are_made_once_per_optimizer_step():
     assert torch.equal(state.weights(fc.weight, proj.weight)[2], 2 * inv)
 
 
+def test_a_copied_state_captures_its_own_weight_graph():
+    import copy
+    import threading
+    state = FP8State()
+    state._graph = ("where", threading.Lock())  # (a CUDA graph cannot be copied either)
+    clone = copy.deepcopy(state)
+    assert clone._graph is None and state._graph is not None and clone.number != state.number
+
+
 def check_fused_weight_cast(device, dtype):
     """quantize_weight_fused (eager: four kernels) against quantize_weight (PyTorch's ops, what torch.compile traces):
     the same bits for both copies and the same 1/scale, with special values (±inf: NaN; a NaN weight: NaN
@@ -663,7 +672,58 @@ def test_fp8_gpt_under_torch_compile_on_the_gpu(mode):
 
 @needs_fp8_gpu
 @pytest.mark.gpu
+def test_fp8_gpt_compiled_by_wrap_model_runs_its_mlps_through_their_graphs_on_the_gpu():
+    """train.py's torch.compile without CUDA graphs (runtime.wrap_model, compile=True): the FP8 MLPs leave the
+    compiled graph and replay their own CUDA graphs; the loss follows the uncompiled run's (inductor rounds the rest
+    of the model its own way)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        gpt = model.GPT(model.GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mlp="fused",
+                                        fp8=True, dropout=0.0)).cuda()
+        step = runtime.wrap_model(gpt, compiled, 1, "cuda")
+        opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3, fused=True)
+        idx = torch.randint(0, 512, (8, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        losses = []
+        for _ in range(6):
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = step(idx, idx)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs.append(losses)
+    assert all(len(b.mlp.path.graphs.captured) == 1 for b in gpt.transformer.h)
+    assert runs[1][-1] < runs[1][0] - 0.5, runs
+    assert runs[1] == pytest.approx(runs[0], rel=2e-2), runs
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_weight_cast_is_quantize_weight_bit_for_bit_on_the_gpu(dtype):
     """(fp32 masters, as under autocast: cast_transpose_kernel's transposed copy of fp32 input was wrong on the GPU)"""
     check_fused_weight_cast("cuda", dtype)
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
+def test_weight_copies_are_remade_by_a_cuda_graph_on_the_gpu():
+    """From the second optimizer step on, FP8State.weights replays a CUDA graph of the remake: the same tensors, and
+    the same bits as quantize_weight of the current weights (fp32 masters, fused AdamW, as train.py runs)."""
+    fc, proj = make_mlp(768, 3072, "gelu", torch.float32, "cuda")
+    state = FP8State().cuda()
+    opt = torch.optim.AdamW([*fc.parameters(), *proj.parameters()], lr=0.1, fused=True)
+    first = state.weights(fc.weight, proj.weight)
+    for step in range(4):
+        for p in (*fc.parameters(), *proj.parameters()):
+            p.grad = torch.randn_like(p)
+        opt.step()
+        new = state.weights(fc.weight, proj.weight)
+        assert all(a is b for a, b in zip(new, first))
+        want = (*fp8_state.quantize_weight(fc.weight), *fp8_state.quantize_weight(proj.weight))
+        for o, e in zip(new, want):
+            assert torch.equal(o.view(torch.uint8), e.view(torch.uint8)) if o.dtype == E4M3 else torch.equal(o, e), step
+        assert state._graph is not None, step  # captured at the first step's remake (the second), replayed after

@@ -54,7 +54,7 @@ def _first_linear(x8, w8, inv, bias, activation, state, dtype):
     if PINGPONG_FP8["forward"] and fp8_hopper.usable_fp8(x8, (w8,), (bias,), hidden, hidden if gated else None):
         h8 = torch.empty((M, hidden), device=x8.device, dtype=E4M3)
         h8t = torch.empty((hidden, _padded(M)), device=x8.device, dtype=E4M3)
-        if fp8_hopper.linear_act_forward_fp8(x8, w8, inv, bias, act, h8, h8t, saved, state.scale[H:], state.amax[H:],
+        if fp8_hopper.linear_act_forward_fp8(x8, w8, inv, bias, act, h8, h8t, saved, *state.slot(H)[:2],
                                            up_act, gated):
             return h8, h8t, saved
     if SEPARATE_CAST["forward"] and pingpong.usable(x8, (w8,), (bias,), hidden if gated else None):
@@ -73,8 +73,8 @@ def _second_dgrad(gy8, w2t8, inv, saved, activation, state, bias_grad):
     if PINGPONG_FP8["dgrad"] and fp8_hopper.usable_fp8(gy8, (w2t8, saved), (), width, split, dgrad=True):
         gz8 = torch.empty((M, width), device=gy8.device, dtype=E5M2)
         gz8t = torch.empty((width, _padded(M)), device=gy8.device, dtype=E5M2)
-        ok, grad_b_fc = fp8_hopper.dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad, state.scale[GRAD_Z:],
-                                           state.amax[GRAD_Z:], gated)
+        ok, grad_b_fc = fp8_hopper.dgrad_fp8(gy8, w2t8, inv, saved, gz8, gz8t, bias_grad,
+                                           *state.slot(GRAD_Z)[:2], gated)
         if ok:
             return gz8, gz8t, grad_b_fc
     if SEPARATE_CAST["dgrad"] and pingpong.usable(gy8, (w2t8, saved), split=split):
@@ -108,8 +108,11 @@ def _quantized_rows(t, state, slot, inv_scales=None):
 def _without_autocast(fn):
     """Run fn with autocast off: the tensors come already cast, and _scaled_mm's rounding of y must not depend on
     whether autocast is on around it (it is in FP8MLPFunction, not inside a compiled graph, which bakes the casts
-    in and runs with it off; on CPU the two differed by one fp16 step)."""
+    in and runs with it off; on CPU the two differed by one fp16 step). Where it is off, fn runs as it is (the
+    context costs the host µs a call)."""
     def run(*args):
+        if not torch.is_autocast_enabled(args[0].device.type):
+            return fn(*args)
         with torch.autocast(args[0].device.type, enabled=False):
             return fn(*args)
     run.__doc__ = fn.__doc__
@@ -123,7 +126,7 @@ def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_inv, 
     # x's cast (the calibrating call sets H's scale after it: a copy of its own there)
     inv = torch.empty_like(state.inv_scale) if state.calibrated else None
     x2, x8, xt8 = _quantized_rows(x, state, X, inv)
-    inv_x = state.inv_scale[X, :1]
+    inv_x = state.slot(X)[2]
     h8, ht8, saved = _calibrated(_first_linear, state, H, x8, w_fc8, (inv_x, w_fc_inv), b_fc, activation, state,
                                  x.dtype)
     if inv is None:
@@ -139,11 +142,11 @@ def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_p
     """(dx, dW1 or None, db1 or None, dW2 or None, db2 or None) for rows grad_y (M, C), a weight's gradient only where
     it is asked for (a frozen weight's GEMM is skipped); then the scales move on (update_scales)."""
     gy, gy8, gyt8 = _quantized_rows(grad_y, state, GRAD_Y)
-    inv_gy = state.inv_scale[GRAD_Y, :1]
+    inv_gy = state.slot(GRAD_Y)[2]
     gz8, gzt8, grad_b_fc = _calibrated(_second_dgrad, state, GRAD_Z, gy8, w_proj_t8, (inv_gy, w_proj_inv), saved,
                                        activation, state, bias_grad)
     del saved
-    inv_gz = state.inv_scale[GRAD_Z, :1]
+    inv_gz = state.slot(GRAD_Z)[2]
     grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_proj.dtype) \
         if w_proj_grad else None
     grad_b_proj = gy.sum(0) if proj_bias_grad else None

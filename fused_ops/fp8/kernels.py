@@ -307,7 +307,7 @@ def cast_transpose(x2, state, slot, row_major=False, inv_scales=None):
     qt = torch.empty((C, _padded(M)), device=x2.device, dtype=SLOT_DTYPES[slot])
     q = torch.empty((M, C), device=x2.device, dtype=qt.dtype) if row_major else qt
     copy = (state.inv_scale, inv_scales) if inv_scales is not None else ()
-    _cast_transpose_into(x2, q, qt, state.scale[slot:], state.amax[slot:], row_major, qt.shape[1], copy=copy)
+    _cast_transpose_into(x2, q, qt, *state.slot(slot)[:2], row_major, qt.shape[1], copy=copy)
     return (q if row_major else None), qt
 
 
@@ -351,7 +351,7 @@ def fp8_linear_act(x8, w8, inv, bias, activation, state, dtype):
     Mp = _padded(M)
     h8 = torch.empty((M, N), device=x8.device, dtype=E4M3)
     saved = torch.empty((M, w8.shape[0]), device=x8.device, dtype=dtype)
-    args = (x8, w8, bias if bias is not None else saved, h8, saved, state.scale[H:], state.amax[H:], *inv,
+    args = (x8, w8, bias if bias is not None else saved, h8, saved, *state.slot(H)[:2], *inv,
             M, Mp, N, K, x8.stride(0), x8.stride(1), w8.stride(0), w8.stride(1), saved.stride(0))
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, ACC_DTYPE=tl.float32,
                   PRECISION="ieee", INT64=needs_int64(x8, w8, saved, h8), TMA=False, B_KMAJOR=True, EMULATE=env.INTERPRET)
@@ -376,7 +376,7 @@ def fp8_dgrad(gy8, w2, inv, saved, activation, state, bias_grad):
     configs = fp8_configs(False, saved.dtype)
     block_m = cfg.kwargs["BLOCK_M"] if cfg else min(c.kwargs["BLOCK_M"] for c in configs)
     partial = torch.empty((cdiv(M, block_m), width), device=saved.device, dtype=torch.float32) if bias_grad else gz8
-    args = (gy8, w2, saved, gz8, gzt8, partial, state.scale[GRAD_Z:], state.amax[GRAD_Z:], *inv, M, Mp, N, K,
+    args = (gy8, w2, saved, gz8, gzt8, partial, *state.slot(GRAD_Z)[:2], *inv, M, Mp, N, K,
             gy8.stride(0), gy8.stride(1), w2.stride(0), w2.stride(1), saved.stride(0), partial.stride(0))
     cfg = launch_matmul(fp8_dgrad_kernel, M, N, K, args, consts, False, saved.dtype, key, configs=configs)
     return gz8, gzt8, (partial[: cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0) if bias_grad else None)

@@ -5,6 +5,7 @@ quantize_weight is the weights' current scaling in plain PyTorch (what the compi
 quantize_weight_fused is the same, bit for bit, in kernels); _set_current_scale calibrates a slot.
 """
 
+import warnings
 import weakref
 
 import torch
@@ -39,6 +40,12 @@ def check_fp8_device(device, setting="fp8=True", instead="use fp8=False"):
                        f"{where}: {instead}")
 
 
+# The weights' remake (four kernels per weight, about 80 µs of host time per MLP and step) captured in one CUDA graph
+# per MLP, replayed for a few µs: outside CUDA graphs (an uncompiled model), FP8's step waited on this host time
+# (lab/fp8/step_gaps.py). Turned off with FUSED_OPS_GRAPHS=0, or here (the probe compares).
+WEIGHT_GRAPHS = True
+_weight_graph_failure = None  # the exception that turned the weight graphs off for the process, if one did
+
 _STATES = []  # weak references to every FP8State of the process, by number
 _optimizer_steps = 0  # optimizer steps taken in this process (torch.optim's global post-step hook counts them)
 
@@ -71,10 +78,15 @@ class FP8State(torch.nn.Module):
             self.register_buffer(name, value, persistent=False)
         self.calibrated = False
         self._weights = None  # (the parameters' identity and versions, their FP8 copies)
+        self._graph = None  # (the parameters' and copies' addresses, the CUDA graph that remakes the copies)
+        self._views = None  # slot(i)'s views, made once
         # Its number, which the compiled graph's operators carry to find it (fp8_autograd.py): creation order,
         # so the same model gets the same numbers in every run (and compile's caches still match).
         self.number = len(_STATES)
         _STATES.append(weakref.ref(self))
+
+    def __getstate__(self):  # (a CUDA graph is not copied: a copy captures its own)
+        return {**self.__dict__, "_graph": None, "_views": None}
 
     def __setstate__(self, state):  # a deep copy or an unpickled one is a state of its own, with its own number
         super().__setstate__(state)
@@ -84,8 +96,16 @@ class FP8State(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         for name, t in self._buffers.items():  # model.to(device, dtype) moves them, never casts them (fp32 scales)
             self._buffers[name] = t.to(fn(t).device)
-        self._weights = None
+        self._weights = self._graph = self._views = None
         return self
+
+    def slot(self, i):
+        """(scale[i:], amax[i:], inv_scale[i, :1]): the views of slot i's buffers that the kernels take (a slot's
+        scale and amax at index 0, its 1/scale's 16-byte row), made once: each view costs the host a few µs, and the
+        FP8 MLP asks for about ten a layer and step."""
+        if self._views is None:
+            self._views = [(self.scale[j:], self.amax[j:], self.inv_scale[j, :1]) for j in range(4)]
+        return self._views[i]
 
     def weights(self, w_fc, w_proj):
         """quantize_weight of W1 then of W2: (W1 (H or 2H, C), W1ᵀ, its 1/scale, W2 (C, H), W2ᵀ, its 1/scale), made
@@ -100,16 +120,54 @@ class FP8State(torch.nn.Module):
             if old is not None and (old[0].shape, old[3].shape) != (w_fc.shape, w_proj.shape):
                 old = None  # (a model whose weights changed shape: new tensors)
             with torch.no_grad():
-                copies = (*quantize_weight_fused(w_fc, None if old is None else old[:3]),
-                          *quantize_weight_fused(w_proj, None if old is None else old[3:]))
+                copies = self._remake(w_fc, w_proj, old)
             self._weights = (key, copies)
         return self._weights[1]
 
+    def _remake(self, w_fc, w_proj, old):
+        """The copies of w_fc and w_proj, into old (a tuple of six) if given. On a GPU, the second remake into the
+        same tensors is also captured in a CUDA graph (the first compiled the kernels), which later ones replay."""
+        where = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (w_fc, w_proj, *(old or ())))
+        if self._graph is not None and self._graph[0] == where:
+            self._graph[1].replay()
+            return old
+
+        def remake():
+            return (*quantize_weight_fused(w_fc, None if old is None else old[:3]),
+                    *quantize_weight_fused(w_proj, None if old is None else old[3:]))
+        copies = remake()
+        if (old is not None and w_fc.is_cuda and WEIGHT_GRAPHS and env.GRAPHS and _weight_graph_failure is None
+                and not torch.cuda.is_current_stream_capturing()):
+            self._graph = _captured(remake, where)
+        return copies
+
     def weights_changed(self):
-        self._weights = None
+        self._weights = self._graph = None
 
     def extra_repr(self):
         return f"history={self.history.shape[1]}, calibrated={self.calibrated}"
+
+
+def _captured(remake, where):
+    """(where, a CUDA graph of remake()), or None after one warning if the capture fails (the eager remake goes on)."""
+    global _weight_graph_failure
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                remake()
+            finally:
+                graph.capture_end()
+    except Exception as e:  # an optional fast path: fall back, once, with one warning
+        _weight_graph_failure = e
+        warnings.warn(f"capturing the FP8 weights' remake in a CUDA graph failed ({type(e).__name__}: {e}); it runs "
+                      "eagerly from now on", stacklevel=4)
+        return None
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+    return where, graph
 
 
 def quantize_weight(w):
