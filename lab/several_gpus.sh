@@ -2,7 +2,9 @@
 # Issue 41's measurements on one host of several GPUs (results/several_gpus_h100.txt). Run from the repository root
 # with data/shakespeare_char prepared; writes to ${OUT:-/tmp/several_gpus}. Part 1: the baby GPT's benchmark on 1 and
 # 2 GPUs; part 2: GPT-2 124M's on 1, 2 and 4; part 3: the baby GPT's loss curves (500 steps) on 1 and 2 GPUs, bf16
-# and FP8, GPT-2 on 4 GPUs with 100 MB buckets, and the DDP overlap trace. Each part fits one 10-minute call.
+# and FP8, GPT-2 on 4 GPUs with 100 MB buckets, and the DDP overlap trace; part 4: 100 MB buckets for eager and fused;
+# part 5: everything at 100 MB buckets on one machine, and the 4-GPU fp8 rate at 16x1024 per micro-step (the moonshot).
+# Each part fits one 10-minute call.
 set -u
 OUT=${OUT:-/tmp/several_gpus}; mkdir -p "$OUT" /tmp/sg /tmp/runs
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,4 +53,13 @@ elif [ "$part" = 4 ]; then  # after the runs above: 100 MB buckets for eager and
         --gradient_accumulation_steps=$n --out_dir=/tmp/runs/char_$n > /tmp/runs/char_$n.log 2>&1 || tail -3 /tmp/runs/char_$n.log
   done
   python3 lab/compare_runs.py /tmp/runs/char_1 /tmp/runs/char_2 | tail -3
+elif [ "$part" = 5 ]; then  # the second session, one machine: 100 MB buckets everywhere, then the moonshot's batch
+  timeout 170 python3 bench.py configs/shakespeare_char.py --gpus=1,2 --mlps=eager,fused,fp8 --compile=reduce-overhead \
+      --rounds=2 --steps=30 --out=/tmp/sg/char_b100 > "$OUT/char_b100.log" 2>&1; show "$OUT/char_b100.log"
+  timeout 330 python3 bench.py configs/gpt2_124m.py --gpus=1,2,4 --mlps=eager,fused,fp8 --compile=reduce-overhead \
+      --grad_accum=2 --rounds=2 --steps=5 --warmup=3 --out=/tmp/sg/gpt2_b100_all > "$OUT/gpt2_b100_all.log" 2>&1
+  show "$OUT/gpt2_b100_all.log"
+  timeout 80 python3 bench.py configs/gpt2_124m.py --gpus=4 --mlps=fp8 --compile=reduce-overhead --batch_size=16 \
+      --grad_accum=2 --rounds=2 --steps=5 --warmup=3 --out=/tmp/sg/gpt2_moonshot > "$OUT/gpt2_moonshot.log" 2>&1
+  show "$OUT/gpt2_moonshot.log"
 fi
