@@ -3,8 +3,7 @@ each is called as runner(x, c_fc, c_proj, norm) and computes c_proj(act(c_fc(nor
 
 - FusedMLP: the Triton kernels (mlp.fused_mlp_layers; the LayerNorm folded with fuse_ln), through per-shape CUDA
   graphs (graphs.py) where they can run: uncompiled, CUDA tensors, a plain nn.LayerNorm or none.
-- FP8MLP: the FP8 MLP (fp8/), through the same graphs once its scales are calibrated; with outside_compile set
-  (helpers/runtime.wrap_model sets it for torch.compile without CUDA graphs), outside the compiled graph too.
+- FP8MLP: the FP8 MLP (fp8/), through the same graphs once its scales are calibrated.
 - AutoMLP: FusedMLP where the kernels can run on x's device (CUDA, or CPU under the interpreter), else the eager
   function it is given (model.py's PyTorch).
 
@@ -48,32 +47,17 @@ class FusedMLP:
 
 class FP8MLP:
     """The FP8 MLP (its GEMMs in FP8 while training; the fused bf16 path under no_grad), through CUDA graphs where it
-    can. state: the MLP's FP8State (the graphs put its buffers back after a capture).
-
-    outside_compile: under torch.compile, leave the compiled graph (a graph break) and run as uncompiled, through the
-    graphs. Inside a compiled graph the FP8 MLP's operators cost the host about 1 ms a layer and step (four
-    _scaled_mm, five launches, their Python) against its ~0.35 ms of GPU work at GPT-2 small's size, so a step
-    compiled without CUDA graphs waits on the host (lab/fp8/step_gaps.py); two graph replays cost it ~0.1 ms. Off
-    for compile modes with CUDA graphs, which replay the operators themselves."""
+    can. state: the MLP's FP8State (the graphs put its buffers back after a capture)."""
 
     def __init__(self, activation, state):
         self.activation, self.state = activation, state
         self.graphs = MLPGraphs(keep=state)
-        self.outside_compile = False
 
     def __call__(self, x, c_fc, c_proj, norm=None):
-        if self.outside_compile and torch.compiler.is_compiling():
-            return _uncompiled(self, x, c_fc, c_proj, norm)
         if self.graphs is not None and fp8_graphs_usable(x, self.state) and _graphable(norm):
             fn, tensors = fp8_layers_as_function(c_fc, c_proj, self.activation, norm, self.state)
             return self.graphs(fn, x, tensors)
         return fp8_mlp(x if norm is None else norm(x), c_fc, c_proj, self.activation, self.state)
-
-
-@torch.compiler.disable
-def _uncompiled(runner, x, c_fc, c_proj, norm):
-    """runner(...) run as uncompiled code: torch.compile breaks its graph here and calls this as it is."""
-    return runner(x, c_fc, c_proj, norm)
 
 
 class AutoMLP:

@@ -93,20 +93,14 @@ def wrap_model(model, compile, world, device_type, bucket_cap_mb=BUCKET_MB):
     """The model a training step runs: DDP-wrapped when world > 1, then compiled as asked (compile: False, True or a
     torch.compile mode). DDP goes inside torch.compile, so that compile splits the graph at DDP's gradient buckets
     and each bucket's all-reduce can run while the backward computes the next (docs/performance.md); CUDA-graph modes
-    then graph each piece. Compiled without CUDA graphs, the FP8 MLPs run outside the compiled graph, through CUDA
-    graphs of their own (fused_ops/layers.py's FP8MLP says why). No buffer broadcast: the only buffers are the FP8
-    MLP's scales, which each process keeps for itself (docs/numerics.md). bucket_cap_mb: DDP's gradient bucket size
-    (docs/performance.md)."""
+    then graph each piece. No buffer broadcast: the only buffers are the FP8 MLP's scales, which each process keeps
+    for itself (docs/numerics.md). bucket_cap_mb: DDP's gradient bucket size (docs/performance.md)."""
     if world > 1:
         # (torch 2.13 renamed broadcast_buffers; a sync at start-up is harmless: every process starts uncalibrated)
         no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
                     gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb, **{no_sync: False})
     if compile:
-        if compile not in CUDA_GRAPH_MODES:  # the FP8 MLPs run outside the graph, through their own CUDA graphs
-            for module in model.modules():
-                if hasattr(getattr(module, "path", None), "outside_compile"):
-                    module.path.outside_compile = True
         model = torch.compile(model, mode=None if compile in (True, "default") else compile)
     return model
 

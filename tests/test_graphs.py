@@ -335,49 +335,6 @@ def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(history, plain_history))
 
 
-def test_fp8_mlps_run_outside_a_compiled_graph_through_their_graphs(monkeypatch):
-    """wrap_model(compile=True) sends the FP8 MLPs out of the compiled graph (a graph break per layer), where they
-    replay their graphs (emulated on CPU; torch.compile's eager backend for the rest): the losses of the run without
-    torch.compile and without graphs, bit for bit. A CUDA-graph mode keeps them inside."""
-    import fused_ops
-    from helpers import runtime
-    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True, dropout=0.0)
-    monkeypatch.setattr(fused_ops.layers, "graphs_usable", lambda x: True)
-    for mode in runtime.CUDA_GRAPH_MODES:
-        gpt = GPT(cfg)
-        runtime.wrap_model(gpt, mode, 1, "cpu")
-        assert not any(b.mlp.path.outside_compile for b in gpt.transformer.h), mode
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, mode=None: compile_(model, backend="eager"))
-    runs = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        gpt = GPT(cfg)
-        for block in gpt.transformer.h:
-            block.mlp.path.graphs = MLPGraphs(emulate=True, keep=block.mlp.fp8) if compiled else None
-        step = runtime.wrap_model(gpt, compiled, 1, "cpu")
-        opt = torch.optim.SGD(gpt.parameters(), lr=0.3)
-        losses = []
-        for i in range(5):
-            x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(i))
-            with torch.autocast("cpu", dtype=torch.float16):
-                _, loss = step(x, x)
-            loss.backward()
-            losses.append(loss.item())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        runs.append(losses)
-        assert all(b.mlp.path.outside_compile == compiled for b in gpt.transformer.h)
-    breaks = [k for k in counters["graph_break"] if "disable" in k]
-    assert breaks, dict(counters["graph_break"])  # (torch.compiler.disable: the MLPs ran outside the graph)
-    # 5 forwards: the calibrating one and the first sight run plain, the third captures, it and the rest replay
-    assert [next(iter(b.mlp.path.graphs.captured.values())).generation for b in gpt.transformer.h] == [3, 3]
-    assert runs[1] == runs[0]
-
-
 def test_new_parameters_and_shapes_get_their_own_graphs(monkeypatch):
     """A parameter replaced (a new storage) is never read through an old graph, whose capture is dropped; past
     MAX_SHAPES the plain path runs."""
