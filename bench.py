@@ -136,6 +136,23 @@ def compile_setting(text):
     return {"False": False, "True": True}.get(text, text)
 
 
+def parse_variant(text):
+    """A variant as the lab's probes name it ("fused", "fp8+compile", "eager+reduce-overhead"): (mlp, compile setting)."""
+    mlp, _, mode = text.partition("+")
+    return mlp, compile_setting({"": "False", "compile": "True"}.get(mode, mode))
+
+
+def setup(args):
+    """(model_args, batch_size, dtype, batches, state): what every variant of a run shares, state being the one set of
+    initial weights each loads (seed 0)."""
+    model_args, batch_size = load_config(args)
+    dtype = pick_dtype(args)
+    batches = make_batches(model_args, batch_size, args)
+    torch.manual_seed(0)
+    state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
+    return model_args, batch_size, dtype, batches, state
+
+
 def label(row):
     """A variant's name in tables and charts: "fused", "fused +compile", "fused +reduce-overhead"."""
     c = row["compile"]
@@ -343,12 +360,8 @@ def several_gpus(args, argv):
 def run(args):
     if args.mlp_widths:
         return mlp_widths(args)
-    model_args, batch_size = load_config(args)
-    dtype = pick_dtype(args)
+    model_args, batch_size, dtype, batches, state = setup(args)
     T = model_args.get("block_size", 1024)
-    batches = make_batches(model_args, batch_size, args)
-    torch.manual_seed(0)
-    state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
     variants = [(m, compile_setting(c)) for c in args.compile.split(",") for m in args.mlps.split(",")]
     master = not dist.is_initialized() or dist.get_rank() == 0  # (under torchrun: several_gpus)
     if args.rounds > 1:

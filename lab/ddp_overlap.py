@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import bench
-from model import GPT, GPTConfig
 
 
 def intervals(trace_events, nccl):
@@ -54,12 +53,8 @@ def main():
     rank = dist.get_rank()
     args.device = f"cuda:{os.environ['LOCAL_RANK']}"
     torch.cuda.set_device(args.device)
-    model_args, batch_size = bench.load_config(args)
-    batches = bench.make_batches(model_args, batch_size, args)
+    model_args, batch_size, dtype, batches, state = bench.setup(args)
     mlp, compiled = args.mlps.split(",")[0], bench.compile_setting(args.compile.split(",")[0])
-    dtype = bench.pick_dtype(args)
-    torch.manual_seed(0)
-    state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
     steps = {}
     for mb in buckets.split(","):
         args.bucket_mb = float(mb)

@@ -66,8 +66,7 @@ def label(size, frames):
 
 
 def measure(model_args, state, variant, batches, args, dtype):
-    mlp, _, mode = variant.partition("+")
-    compiled = bench.compile_setting({"": "False", "compile": "True"}.get(mode, mode))
+    mlp, compiled = bench.parse_variant(variant)
     _, step = bench.make_step(model_args, state, mlp, compiled, batches, args, dtype)
     for i in range(args.warmup):
         step(i)
@@ -96,11 +95,7 @@ def main(argv=None):
     bench_mlp.backward_thread(args)
     args.device, args.dtype, args.batch_size, args.block_size, args.vocab_size, args.grad_accum = \
         "cuda", None, None, None, None, 1
-    model_args, batch_size = bench.load_config(args)
-    dtype = bench.pick_dtype(args)
-    batches = bench.make_batches(model_args, batch_size, args)
-    torch.manual_seed(0)
-    state = bench.GPT(bench.GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
+    model_args, batch_size, dtype, batches, state = bench.setup(args)
     variants = args.variants.split(",")
     results = {v: measure(model_args, state, v, batches, args, dtype) for v in variants}
 

@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 import bench
-from model import GPT, GPTConfig
 
 # Kernel name patterns -> kind (first match wins), to compare variants whose kernels have different names.
 KINDS = [
@@ -96,15 +95,10 @@ def main():
     a = ap.parse_args()
     args = bench.parse_args([a.config] + ([f"--activation={a.activation}"] if a.activation else []))
     args.warmup, args.steps, args.cprofile, args.cpu_ops = a.warmup, a.steps, a.cprofile, a.cpu_ops
-    model_args, batch_size = bench.load_config(args)
-    dtype = bench.pick_dtype(args)
-    batches = bench.make_batches(model_args, batch_size, args)
-    torch.manual_seed(0)
-    state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
+    model_args, batch_size, dtype, batches, state = bench.setup(args)
     results = {}
     for v in a.variants.split(","):
-        mlp, _, setting = v.partition("+")  # fused, fused+compile, fused+reduce-overhead (a torch.compile mode)
-        compiled = bench.compile_setting({"": "False", "compile": "True"}.get(setting, setting))
+        mlp, compiled = bench.parse_variant(v)  # fused, fused+compile, fused+reduce-overhead (a torch.compile mode)
         results[v] = r = profile_variant(model_args, state, mlp, compiled, batches, args, dtype)
         print(f"\n== {v}: top kernels, ms per step")
         for name, ms in r["kernels"].most_common(a.top):

@@ -107,6 +107,8 @@ def test_compile_settings_and_labels():
     assert [bench.compile_setting(c) for c in ("False", "True", "reduce-overhead")] == [False, True, "reduce-overhead"]
     assert [bench.label({"mlp": "fused", "compile": c}) for c in (False, True, "reduce-overhead")] == \
         ["fused", "fused +compile", "fused +reduce-overhead"]
+    assert [bench.parse_variant(v) for v in ("fused", "fp8+compile", "eager+reduce-overhead")] == \
+        [("fused", False), ("fp8", True), ("eager", "reduce-overhead")]  # (the lab's probes' variant names)
     with pytest.raises(bench.errors.UsageError, match="--mlp_widths takes --compile=True and/or False"):
         bench.main(["--mlp_widths=32", "--compile=reduce-overhead", "--device=cpu"])
 

@@ -705,3 +705,33 @@ def test_weight_copies_are_remade_by_a_cuda_graph_on_the_gpu():
         for o, e in zip(new, want):
             assert torch.equal(o.view(torch.uint8), e.view(torch.uint8)) if o.dtype == E4M3 else torch.equal(o, e), step
         assert state._graph is not None, step  # captured at the first step's remake (the second), replayed after
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
+def test_a_failed_weight_graph_capture_falls_back_with_one_warning(monkeypatch):
+    """The weights' remake graph is an optional fast path: a capture that fails warns once, and the copies go on
+    being remade eagerly, right."""
+    import warnings
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no capture here")
+    monkeypatch.setattr(fp8_state, "_weight_graph_failure", None)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", fail)
+    fc, proj = make_mlp(64, 256, "gelu", torch.float32, "cuda")
+    state = FP8State().cuda()
+    opt = torch.optim.SGD([*fc.parameters(), *proj.parameters()], lr=0.1)
+    state.weights(fc.weight, proj.weight)
+    for step in range(3):
+        for p in (*fc.parameters(), *proj.parameters()):
+            p.grad = torch.randn_like(p)
+        opt.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            new = state.weights(fc.weight, proj.weight)
+        said = [w for w in caught if "weights' remake in a CUDA graph failed" in str(w.message)]
+        assert len(said) == (1 if step == 0 else 0), step
+        assert state._graph is None and isinstance(fp8_state._weight_graph_failure, RuntimeError)
+        want = (*fp8_state.quantize_weight(fc.weight), *fp8_state.quantize_weight(proj.weight))
+        for o, e in zip(new, want):
+            assert torch.equal(o.view(torch.uint8), e.view(torch.uint8)) if o.dtype == E4M3 else torch.equal(o, e), step

@@ -101,8 +101,8 @@ class FP8State(torch.nn.Module):
 
     def slot(self, i):
         """(scale[i:], amax[i:], inv_scale[i, :1]): the views of slot i's buffers that the kernels take (a slot's
-        scale and amax at index 0, its 1/scale's 16-byte row), made once: each view costs the host a few µs, and the
-        FP8 MLP asks for about ten a layer and step."""
+        scale and amax at index 0, its 1/scale's 16-byte row), made once (again after .to(), which replaces the
+        buffers): each view costs the host a few µs, and the FP8 MLP asks for about ten a layer and step."""
         if self._views is None:
             self._views = [(self.scale[j:], self.amax[j:], self.inv_scale[j, :1]) for j in range(4)]
         return self._views[i]

@@ -22,7 +22,6 @@ import torch
 
 import bench
 from fused_ops.fp8 import state as fp8_state
-from model import GPT, GPTConfig
 
 RUNTIME = ("Synchronize", "Malloc", "Free", "Memcpy", "Memset", "GraphLaunch", "HostAlloc", "EventQuery",
            "StreamWaitEvent", "EventRecord")
@@ -95,18 +94,13 @@ def main():
     a = ap.parse_args()
     args = bench.parse_args([a.config])
     args.warmup = 6
-    model_args, batch_size = bench.load_config(args)
-    dtype = bench.pick_dtype(args)
-    batches = bench.make_batches(model_args, batch_size, args)
-    torch.manual_seed(0)
-    state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
+    model_args, batch_size, dtype, batches, state = bench.setup(args)
     rows = {}
     for v in a.variants.split(","):
-        mlp, _, setting = v.partition("+")
+        mlp, compiled = bench.parse_variant(v)
         for wg in (a.weight_graphs.split(",") if mlp == "fp8" else ["1"]):
             fp8_state.WEIGHT_GRAPHS = wg == "1"
             name = v + ("" if mlp != "fp8" or a.weight_graphs == "1" else f" wg={wg}")
-            compiled = bench.compile_setting({"": "False", "compile": "True"}.get(setting, setting))
             model, step = bench.make_step(model_args, state, mlp, compiled, batches, args, dtype)
             for i in range(args.warmup):
                 step(i)
