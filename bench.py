@@ -8,32 +8,30 @@ End-to-end training throughput: mlp="eager" vs mlp="fused", each with and withou
     python bench.py --mlp_widths=768,1024,2048,4096             # GPU: the MLP alone, gelu and swiglu
     TRITON_INTERPRET=1 python bench.py --mlp_widths=32,64 --mlp_tokens=32,32 --device=cpu --compile=False
 
-Each variant starts from the same weights and sees the same batches (random token ids), so the losses of
-the first steps must agree across variants; they are printed next to the timings. A step is forward,
-backward and the AdamW update over gradient_accumulation_steps micro-batches. Reported: median ms/step
-after warm-up, tokens/s, MFU against the GPU's peak bf16 rate, peak GPU memory of the timed steps (allocated, and
-reserved: CUDA graphs' private pools count only there). Writes JSON, CSV and a PNG bar chart to --out (default
-results/bench_<config>.*). --compile also takes a torch.compile mode: --compile=True,reduce-overhead.
---mlps=fp8 adds the fused MLP with FP8 GEMMs (fused_ops/fp8.py), --mlps=torchao the eager
-MLP through torchao's float8 training (where installed; compile it, as torchao advises: --compile=True).
+Each variant starts from the same weights and sees the same batches (random token ids), so the losses of the first
+steps must agree across variants; they are printed next to the timings. A step is forward, backward and the AdamW
+update over gradient_accumulation_steps micro-batches. Reported: median ms/step after warm-up, tokens/s, MFU against
+the GPU's peak bf16 rate, peak GPU memory of the timed steps (allocated, and reserved: CUDA graphs' private pools
+count only there). Writes JSON, CSV and a PNG bar chart to --out (default results/bench_<config>.*). --compile also
+takes a torch.compile mode (--compile=True,reduce-overhead). --mlps=fp8 adds the fused MLP with FP8 GEMMs
+(fused_ops/fp8/), --mlps=torchao the eager MLP through torchao's float8 training (where installed; compile it).
 
 Variants run one after another by default, and the first of a process can run slower whatever it is (measured:
-results/bench_gpt2_124m_uncompiled_orders_h100.txt). --rounds=N builds them all first, then times them in N
-rounds of --steps steps, reversing their order every other round, and prints each round's median too:
+results/bench_gpt2_124m_uncompiled_orders_h100.txt). --rounds=N builds them all first, then times them in N rounds of
+--steps steps, reversing their order every other round, and prints each round's median too:
 
     python bench.py configs/gpt2_124m.py --compile=False --rounds=4 --steps=10
 
-Several GPUs: --gpus=1,2,4 runs the same benchmark under torchrun on 1, 2 and 4 GPUs of this host, one after
-another, each GPU with the same micro-batch (DDP inside torch.compile, as train.py runs it), and prints tokens/s per
-GPU and its share of the 1-GPU rate:
+Several GPUs: --gpus=1,2,4 runs it under torchrun on 1, 2 and 4 GPUs of this host in turn, each GPU with the same
+micro-batch (DDP inside torch.compile, as train.py), and prints tokens/s per GPU and its share of the 1-GPU rate:
 
     python bench.py configs/gpt2_124m.py --gpus=1,2,4 --mlps=eager,fused,fp8 --compile=reduce-overhead --rounds=2
 
---mlp_widths times the MLP alone instead, with bench_mlp.py's functions: for each width C and activation,
-eager, fused and torch.compile (of eager), forward and forward+backward ms and % of the matmul floor (the
-MLP's matmul FLOPs at the bf16 matmul peak measured in the same run; 100% = at the floor); on a GPU also
-forward+backward replayed as one CUDA graph, the GPU time without the host's launch costs. Tokens M per
-width: 12288 for 768, 16384 for 1024, 8192 above (--mlp_tokens to change). Default out: results/bench_mlp_widths.*
+--mlp_widths times the MLP alone instead, with bench_mlp.py's functions: for each width C and activation, eager, fused
+and torch.compile (of eager), forward and forward+backward ms and % of the matmul floor (the MLP's matmul FLOPs at the
+bf16 matmul peak measured in the same run; 100% = at the floor); on a GPU also forward+backward replayed as one CUDA
+graph, the GPU time without the host's launch costs. Tokens M per width: 12288 for 768, 16384 for 1024, 8192 above
+(--mlp_tokens to change). Default out: results/bench_mlp_widths.*
 """
 
 import argparse
@@ -81,7 +79,7 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=1,
                     help="> 1: build every variant first, then time them in this many rounds, alternating their order")
     ap.add_argument("--out", default=None, help="output path without extension")
-    ap.add_argument("--bucket_mb", type=float, default=runtime.BUCKET_MB, help="under torchrun: DDP's gradient bucket size")
+    ap.add_argument("--bucket_mb", type=float, default=runtime.BUCKET_MB, help="DDP's gradient bucket size (torchrun)")
     ap.add_argument("--gpus", default=None,
                     help="e.g. 1,2,4: run under torchrun on that many GPUs of this host, one count after another "
                          "(with --device=cpu: that many processes, over Gloo)")
@@ -137,20 +135,18 @@ def compile_setting(text):
 
 
 def parse_variant(text):
-    """A variant as the lab's probes name it ("fused", "fp8+compile", "eager+reduce-overhead"): (mlp, compile setting)."""
+    """A lab probe's variant name ("fused", "fp8+compile", "eager+reduce-overhead") as (mlp, compile setting)."""
     mlp, _, mode = text.partition("+")
     return mlp, compile_setting({"": "False", "compile": "True"}.get(mode, mode))
 
 
 def setup(args):
-    """(model_args, batch_size, dtype, batches, state): what every variant of a run shares, state being the one set of
-    initial weights each loads (seed 0)."""
+    """(model_args, batch_size, dtype, batches, state): what all variants share; state: the initial weights (seed 0)."""
     model_args, batch_size = load_config(args)
-    dtype = pick_dtype(args)
     batches = make_batches(model_args, batch_size, args)
     torch.manual_seed(0)
     state = GPT(GPTConfig(mlp="eager", dropout=0.0, **model_args)).state_dict()
-    return model_args, batch_size, dtype, batches, state
+    return model_args, batch_size, pick_dtype(args), batches, state
 
 
 def label(row):
@@ -303,9 +299,8 @@ def main(argv=None):
         return several_gpus(args, sys.argv[1:] if argv is None else argv)
     distributed = "WORLD_SIZE" in os.environ  # launched by torchrun (several_gpus)
     if distributed:
-        cuda = args.device.startswith("cuda")
-        dist.init_process_group("nccl" if cuda else "gloo")
-        if cuda:
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        if args.device.startswith("cuda"):
             args.device = f"cuda:{os.environ['LOCAL_RANK']}"
             torch.cuda.set_device(args.device)
     try:
