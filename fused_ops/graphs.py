@@ -56,6 +56,19 @@ MAX_SHAPES = 4  # captured shapes per layer (training, evaluation, sampling's pr
 _failed = False  # set by a failed capture: the plain path from then on
 
 
+_streams = {}  # GPU index -> the side stream captures run on
+
+
+def capture_stream(device):
+    """The side stream every capture of fused_ops runs on, one per GPU: what a capture's warm-up frees stays cached
+    for the next capture, where a new stream per capture would strand it (the caching allocator gives a freed block
+    only to the stream that freed it; GPT-2 small's FP8 operators held 8 GiB more that way)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _streams:
+        _streams[index] = torch.cuda.Stream(index)
+    return _streams[index]
+
+
 def _holders(t):
     """How many tensors share t's memory (references to its storage)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -93,7 +106,7 @@ class _Captured:
         def backward():
             return torch.autograd.grad(holder["y"], self.inputs, self.grad_y, allow_unused=True)
 
-        pool, stream = (None, None) if emulate else (torch.cuda.graph_pool_handle(), torch.cuda.Stream())
+        pool, stream = (None, None) if emulate else (torch.cuda.graph_pool_handle(), capture_stream(x.device))
         if not emulate:  # lazy initializations (cuBLAS workspaces, the backward's kernels) outside the capture
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

@@ -2,7 +2,8 @@
 
 Reading order: kernels.py (the recipe in its docstring, then the Triton kernels and their launchers), state.py
 (FP8State: the delayed scales and the weights' FP8 copies; the device checks), hopper.py (the ping-pong kernel's FP8
-outputs on Hopper), autograd.py (the autograd.Function and the torch.compile operators; fp8_mlp).
+outputs on Hopper), autograd.py (the autograd.Function and the torch.compile operators; fp8_mlp), graphs.py (the
+operators' own CUDA graphs, under torch.compile without its own).
 The arrows point one way: fp8/ imports the core and hopper/, neither of them imports fp8/.
 """
 

@@ -14,7 +14,9 @@ The weights' FP8 copies (W1, W1ᵀ, W2, W2ᵀ in e4m3, their 1/scales) come to b
 The operators keep no other host state a replay needs: the scales live in the FP8State's buffers (an operator finds
 the state by its number) and move on the GPU; the calibration flag is read once, on the first call, which
 torch.compile's CUDA graphs run before they record (and graphs.py's capture only after it). So the FP8 MLP compiles
-in every mode, reduce-overhead included (which it needs to be fast: results/fp8_compile_h100.txt).
+in every mode, reduce-overhead included (which it needs to be fast: results/fp8_compile_h100.txt). Without
+torch.compile's CUDA graphs (its default mode) the operators replay graphs of their own (graphs.py): their bodies'
+launches cost the host more than the GPU's work takes.
 """
 
 from typing import Optional
@@ -26,7 +28,7 @@ from ..activations import kernel_activations
 from ..hopper import pingpong
 from ..mlp import _autocast, check_mlp_args, fused_mlp
 from ..ops import fused_op
-from . import hopper as fp8_hopper
+from . import graphs as op_graphs, hopper as fp8_hopper
 from .kernels import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _padded, cast_transpose, fp8_dgrad, fp8_linear_act,
                       update_scales)
 from .state import _STATES, _set_current_scale, check_fp8_device, quantize_weight
@@ -120,8 +122,9 @@ def _without_autocast(fn):
 
 
 @_without_autocast
-def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8, w_proj_inv):
-    """(y (M, C), xᵀ in e4m3, hᵀ in e4m3, dh/dz, the 1/scales x and h were quantized with) for rows x (M, C)."""
+def _forward(x, b_fc, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8, w_proj_inv):
+    """(y (M, C), xᵀ in e4m3, hᵀ in e4m3, dh/dz, the 1/scales x and h were quantized with) for rows x (M, C); the
+    weights come as their FP8 copies only."""
     # inv: the 1/scales x and h are quantized with, kept for the backward whatever updates come before it; copied by
     # x's cast (the calibrating call sets H's scale after it: a copy of its own there)
     inv = torch.empty_like(state.inv_scale) if state.calibrated else None
@@ -137,21 +140,22 @@ def _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_inv, 
 
 
 @_without_autocast
-def _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, activation, state,
+def _backward(grad_y, xt8, ht8, saved, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, w_dtype, activation, state,
               bias_grad, proj_bias_grad, w_fc_grad=True, w_proj_grad=True):
-    """(dx, dW1 or None, db1 or None, dW2 or None, db2 or None) for rows grad_y (M, C), a weight's gradient only where
-    it is asked for (a frozen weight's GEMM is skipped); then the scales move on (update_scales)."""
+    """(dx, dW1 or None, db1 or None, dW2 or None, db2 or None) for rows grad_y (M, C), the weights' gradients in
+    w_dtype, each only where it is asked for (a frozen weight's GEMM is skipped); then the scales move on
+    (update_scales)."""
     gy, gy8, gyt8 = _quantized_rows(grad_y, state, GRAD_Y)
     inv_gy = state.slot(GRAD_Y)[2]
     gz8, gzt8, grad_b_fc = _calibrated(_second_dgrad, state, GRAD_Z, gy8, w_proj_t8, (inv_gy, w_proj_inv), saved,
                                        activation, state, bias_grad)
     del saved
     inv_gz = state.slot(GRAD_Z)[2]
-    grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_proj.dtype) \
+    grad_w_proj = torch._scaled_mm(gyt8, ht8.t(), scale_a=inv_gy, scale_b=inv[H, :1], out_dtype=w_dtype) \
         if w_proj_grad else None
     grad_b_proj = gy.sum(0) if proj_bias_grad else None
     grad_x = torch._scaled_mm(gz8, w_fc_t8.t(), scale_a=inv_gz, scale_b=w_fc_inv, out_dtype=gy.dtype)
-    grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_proj.dtype) \
+    grad_w_fc = torch._scaled_mm(gzt8, xt8.t(), scale_a=inv_gz, scale_b=inv[X, :1], out_dtype=w_dtype) \
         if w_fc_grad else None
     update_scales(state)
     state.calibrated = True
@@ -167,17 +171,16 @@ class FP8MLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t8,
                 w_proj_inv):
-        y, xt8, ht8, saved, inv = _forward(x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8,
-                                           w_proj_inv)
-        ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv)
-        ctx.activation, ctx.state, ctx.x_shape = activation, state, x.shape
+        y, xt8, ht8, saved, inv = _forward(x, b_fc, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8, w_proj_inv)
+        ctx.save_for_backward(xt8, ht8, saved, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv)
+        ctx.activation, ctx.state, ctx.x_shape, ctx.w_dtype = activation, state, x.shape, w_proj.dtype
         ctx.has_bias = (b_fc is not None, b_proj is not None)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
         bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2]
-        grads = _backward(grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad,
+        grads = _backward(grad_y, *ctx.saved_tensors, ctx.w_dtype, ctx.activation, ctx.state, bias_grad,
                           ctx.has_bias[1] and ctx.needs_input_grad[4], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
         return (grads[0].view(ctx.x_shape), *grads[1:]) + (None,) * 8
 
@@ -189,13 +192,25 @@ def _state(number):
     return state
 
 
+def _run(body, x, state, *args):
+    """body(*args), replayed from the layer's CUDA graphs where they can run (graphs.py: under torch.compile
+    without CUDA graphs of its own), else as it is."""
+    if state.calibrated and op_graphs.usable(x):
+        if state.op_graphs is None:
+            state.op_graphs = op_graphs.OpGraphs(state)
+        return state.op_graphs(body, *args)
+    return body(*args)
+
+
 @fused_op("fp8_mlp_forward")
 def fp8_forward_op(x: Tensor, w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_proj: Optional[Tensor],
                    w_fc8: Tensor, w_fc_t8: Tensor, w_fc_inv: Tensor, w_proj8: Tensor, w_proj_t8: Tensor,
                    w_proj_inv: Tensor, activation: str, state: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, then what backward needs: xᵀ8, hᵀ8, dh/dz, the 1/scales) for rows x; w_fc8 ... w_proj_inv: the weights'
-    FP8 copies (quantize_weight), made by the compiled graph."""
-    return _forward(x, w_fc, b_fc, w_proj, b_proj, activation, _state(state), w_fc8, w_fc_inv, w_proj8, w_proj_inv)
+    FP8 copies (quantize_weight), made by the compiled graph. (W1 and W2 are here for autograd: only their copies
+    are read.)"""
+    state = _state(state)
+    return _run(_forward, x, state, x, b_fc, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8, w_proj_inv)
 
 
 @fp8_forward_op.register_fake
@@ -207,37 +222,41 @@ def _(x, w_fc, b_fc, w_proj, b_proj, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t
 
 
 @fused_op("fp8_mlp_backward")
-def fp8_backward_op(grad_y: Tensor, xt8: Tensor, ht8: Tensor, saved: Tensor, w_proj: Tensor, w_fc_t8: Tensor,
-                    w_fc_inv: Tensor, w_proj_t8: Tensor, w_proj_inv: Tensor, inv: Tensor, activation: str, state: int,
-                    bias_grad: bool, proj_bias_grad: bool, w_fc_grad: bool,
+def fp8_backward_op(grad_y: Tensor, xt8: Tensor, ht8: Tensor, saved: Tensor, w_fc_t8: Tensor, w_fc_inv: Tensor,
+                    w_proj_t8: Tensor, w_proj_inv: Tensor, inv: Tensor, w_dtype: torch.dtype, activation: str,
+                    state: int, bias_grad: bool, proj_bias_grad: bool, w_fc_grad: bool,
                     w_proj_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dW1, db1, dW2, db2) for rows grad_y; a gradient not asked for comes back empty."""
-    grads = _backward(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, activation,
-                      _state(state), bias_grad, proj_bias_grad, w_fc_grad, w_proj_grad)
+    state = _state(state)
+    grads = _run(_backward, grad_y, state, grad_y, xt8, ht8, saved, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv,
+                 w_dtype, activation, state, bias_grad, proj_bias_grad, w_fc_grad, w_proj_grad)
     return tuple(grad_y.new_empty(0) if g is None else g for g in grads)
 
 
 @fp8_backward_op.register_fake
-def _(grad_y, xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, activation, state, bias_grad,
+def _(grad_y, xt8, ht8, saved, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, w_dtype, activation, state, bias_grad,
       proj_bias_grad, w_fc_grad, w_proj_grad):
-    (M, C), rows = grad_y.shape, saved.shape[1]
-    return (grad_y.new_empty(M, C), w_proj.new_empty((rows, C) if w_fc_grad else (0,)),
-            grad_y.new_empty(rows if bias_grad else 0), w_proj.new_empty(w_proj.shape if w_proj_grad else (0,)),
+    (M, C), rows, hidden = grad_y.shape, saved.shape[1], w_proj_t8.shape[0]
+    return (grad_y.new_empty(M, C), grad_y.new_empty((rows, C) if w_fc_grad else (0,), dtype=w_dtype),
+            grad_y.new_empty(rows if bias_grad else 0), grad_y.new_empty((C, hidden) if w_proj_grad else (0,),
+                                                                          dtype=w_dtype),
             grad_y.new_empty(C if proj_bias_grad else 0))
 
 
 def _setup_context(ctx, inputs, output):
     x, w_fc, b_fc, w_proj, b_proj, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t8, w_proj_inv, activation, state = inputs
     _, xt8, ht8, saved, inv = output
-    ctx.save_for_backward(xt8, ht8, saved, w_proj, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv)
+    ctx.save_for_backward(xt8, ht8, saved, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv)
     ctx.activation, ctx.state, ctx.has_bias = activation, state, (b_fc is not None, b_proj is not None)
+    ctx.w_dtype = w_proj.dtype
 
 
 def _op_backward(ctx, grad_y, *_):  # (no gradient flows into what the forward returned for backward)
     bias_grad, proj_bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2], ctx.has_bias[1] and ctx.needs_input_grad[4]
     w_fc_grad, w_proj_grad = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
     grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj = fp8_backward_op.op(
-        grad_y, *ctx.saved_tensors, ctx.activation, ctx.state, bias_grad, proj_bias_grad, w_fc_grad, w_proj_grad)
+        grad_y, *ctx.saved_tensors, ctx.w_dtype, ctx.activation, ctx.state, bias_grad, proj_bias_grad, w_fc_grad,
+        w_proj_grad)
     return (grad_x, grad_w_fc if w_fc_grad else None, grad_b_fc if bias_grad else None,
             grad_w_proj if w_proj_grad else None, grad_b_proj if proj_bias_grad else None) + (None,) * 8
 

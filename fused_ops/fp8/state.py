@@ -12,6 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import env
+from ..graphs import capture_stream
 from ..matmul import _capability
 from .kernels import E4M3, FP8_MAX, SLOT_DTYPES, quantize_weight_fused
 
@@ -80,13 +81,14 @@ class FP8State(torch.nn.Module):
         self._weights = None  # (the parameters' identity and versions, their FP8 copies)
         self._graph = None  # (the parameters' and copies' addresses, the CUDA graph that remakes the copies)
         self._views = None  # slot(i)'s views, made once
+        self.op_graphs = None  # the compiled operators' CUDA graphs (graphs.py), made by autograd.py on first use
         # Its number, which the compiled graph's operators carry to find it (fp8_autograd.py): creation order,
         # so the same model gets the same numbers in every run (and compile's caches still match).
         self.number = len(_STATES)
         _STATES.append(weakref.ref(self))
 
     def __getstate__(self):  # (a CUDA graph is not copied: a copy captures its own)
-        return {**self.__dict__, "_graph": None, "_views": None}
+        return {**self.__dict__, "_graph": None, "_views": None, "op_graphs": None}
 
     def __setstate__(self, state):  # a deep copy or an unpickled one is a state of its own, with its own number
         super().__setstate__(state)
@@ -96,7 +98,7 @@ class FP8State(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         for name, t in self._buffers.items():  # model.to(device, dtype) moves them, never casts them (fp32 scales)
             self._buffers[name] = t.to(fn(t).device)
-        self._weights = self._graph = self._views = None
+        self._weights = self._graph = self._views = self.op_graphs = None
         return self
 
     def slot(self, i):
@@ -138,7 +140,7 @@ class FP8State(torch.nn.Module):
         copies = remake()
         if (old is not None and w_fc.is_cuda and WEIGHT_GRAPHS and env.GRAPHS and _weight_graph_failure is None
                 and not torch.cuda.is_current_stream_capturing()):
-            self._graph = _captured(remake, where)
+            self._graph = _captured(remake, where, w_fc.device)
         return copies
 
     def weights_changed(self):
@@ -148,10 +150,10 @@ class FP8State(torch.nn.Module):
         return f"history={self.history.shape[1]}, calibrated={self.calibrated}"
 
 
-def _captured(remake, where):
+def _captured(remake, where, device):
     """(where, a CUDA graph of remake()), or None after one warning if the capture fails (the eager remake goes on)."""
     global _weight_graph_failure
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    graph, stream = torch.cuda.CUDAGraph(), capture_stream(device)
     stream.wait_stream(torch.cuda.current_stream())
     try:
         with torch.cuda.stream(stream):

@@ -123,6 +123,11 @@ def main():
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / 10
             gc.callbacks.remove(timer)
+            graphs = [b.mlp.fp8.op_graphs for b in model.transformer.h if getattr(b.mlp, "fp8", None) is not None]
+            if any(g is not None for g in graphs):  # the compiled operators' own CUDA graphs (fused_ops/fp8/graphs.py)
+                replays = sum(c.replays for g in graphs if g is not None for c in g.graphs.values())
+                calls = sum(g.calls for g in graphs if g is not None)
+                print(f"\n{name}: the FP8 operators' graphs replayed {replays} of {calls} calls so far")
             print(f"\n{name}: garbage collection in the 10 timed steps, ms per step by generation: "
                   + ", ".join(f"{g}: {1e3 * t / 10:.2f}" for g, t in sorted(collections_.items())))
             if a.cprofile:  # (host-bound variants only: a full launch queue would charge its waits to the launches)

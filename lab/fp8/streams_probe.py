@@ -47,13 +47,13 @@ def main():
         w1 = torch.randn(d["w18"].shape, device="cuda", dtype=torch.bfloat16) / a.C ** 0.5
         w2 = torch.randn(a.C, d["h8"].shape[1], device="cuda", dtype=torch.bfloat16) / d["h8"].shape[1] ** 0.5
         w18, w1t8, w1inv, w28, w2t8, w2inv = st.weights(w1, w2)
-        y, xt8, ht8, saved, inv = fa._forward(d["x"], w1, None, w2, None, "swiglu" if gated else "gelu", st, w18,
-                                              w1inv, w28, w2inv)
-        args = (d["gy"], xt8, ht8, saved, w2, w1t8, w1inv, w2t8, w2inv, inv, "swiglu" if gated else "gelu", st)
+        act = "swiglu" if gated else "gelu"
+        y, xt8, ht8, saved, inv = fa._forward(d["x"], None, None, act, st, w18, w1inv, w28, w2inv)
+        args = (d["gy"], xt8, ht8, saved, w2, w1t8, w1inv, w2t8, w2inv, inv, act, st)
         snapshot = {k: v.clone() for k, v in st._buffers.items()}
 
         def product():
-            g = fa._backward(*args, False, False)
+            g = fa._backward(d["gy"], xt8, ht8, saved, w1t8, w1inv, w2t8, w2inv, inv, w2.dtype, act, st, False, False)
             return g[0], g[1], g[3]
 
         def streams():

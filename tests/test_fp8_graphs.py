@@ -1,0 +1,201 @@
+"""fused_ops/fp8/graphs.py: the compiled FP8 operators replayed from CUDA graphs. On CPU through the test double
+(graphs.EMULATE: a "replay" runs the body on the static inputs and writes its results where a replay would), so the
+bookkeeping (static copies, inputs read in place, outputs still held, the state put back after a capture) is tested
+without a GPU; on a GPU (-m gpu) the real graphs under inductor."""
+
+import pytest
+import torch
+
+import model
+from fused_ops import env
+from fused_ops.fp8 import FP8State, graphs as op_graphs
+from fused_ops.fp8 import state as fp8_state
+
+CUDA = torch.cuda.is_available()
+needs_fp8_gpu = pytest.mark.skipif(not CUDA or not fp8_state.fp8_supported(torch.device("cuda")),
+                                   reason="needs a GPU with FP8 tensor cores (sm_89+)")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(op_graphs, "EMULATE", True)
+    monkeypatch.setattr(op_graphs, "_failure", None)
+
+
+def _steps(state, x, w):
+    """A stand-in operator body: reads its tensors and the state's buffers, moves the state on (as update_scales)."""
+    state.amax.add_(1)
+    return x * w + state.amax[0], x.sum(0, keepdim=True)
+
+
+def _reads(y, w):
+    return (y * w,)
+
+
+def test_calls_are_replayed_from_the_second_on_and_follow_their_inputs(emulated):
+    state = FP8State()
+    graphs = op_graphs.OpGraphs(state)
+    w = torch.randn(4)
+    for i in range(5):
+        x = torch.randn(3, 4)
+        amax = state.amax[0].item()
+        y, s = graphs(_steps, state, x, w)
+        torch.testing.assert_close(y, x * w + amax + 1, rtol=0, atol=1e-6)
+        torch.testing.assert_close(s, x.sum(0, keepdim=True))
+        assert state.amax[0].item() == amax + 1  # one step per call: the capture did not count as one
+        del y, s
+    (graph,) = graphs.graphs.values()
+    assert graph.replays == 4  # the first call ran the body as it is; the second captured and replayed
+
+
+def test_an_output_still_held_is_not_overwritten(emulated):
+    state = FP8State()
+    graphs = op_graphs.OpGraphs(state)
+    w = torch.ones(4)
+    graphs(_steps, state, torch.zeros(3, 4), w)
+    held, _ = graphs(_steps, state, torch.zeros(3, 4), w)  # replayed; held
+    kept = held.clone()
+    fresh, _ = graphs(_steps, state, torch.ones(3, 4), w)  # must not write into held
+    assert torch.equal(held, kept)
+    assert fresh.data_ptr() != held.data_ptr()
+    (graph,) = graphs.graphs.values()
+    assert graph.replays == 1
+    del held
+    again, _ = graphs(_steps, state, torch.ones(3, 4), w)
+    assert graph.replays == 2 and torch.equal(again, torch.ones(3, 4) + state.amax[0])
+
+
+def test_another_graphs_outputs_are_read_in_place_and_only_if_they_are_the_ones_given(emulated):
+    state = FP8State()
+    graphs = op_graphs.OpGraphs(state)
+    w = torch.full((4,), 2.0)
+    for _ in range(3):
+        y = graphs(_steps, state, torch.ones(3, 4), w)[0]  # the forward's stand-in
+        (z,) = graphs(_reads, y, w)  # the backward's: reads y in place
+        torch.testing.assert_close(z, 2 * y)
+        del y, z
+    forward, backward = graphs.graphs.values()
+    assert backward.inputs[0] is forward.outputs[0]  # not a copy
+    assert forward.replays == 2 and backward.replays == 2 and 0 not in backward.copied
+    # a tensor of the same shape that is not the forward's output: the body runs as it is (and keys a new signature)
+    other = torch.randn(3, 4)
+    (z,) = graphs(_reads, other, w)
+    torch.testing.assert_close(z, other * w)
+    assert backward.replays == 2
+
+
+def test_a_failed_capture_falls_back_with_one_warning(emulated, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("stand-in for a capture error")
+    monkeypatch.setattr(op_graphs._Graph, "_capture", broken)
+    state = FP8State()
+    graphs = op_graphs.OpGraphs(state)
+    w = torch.ones(4)
+    graphs(_steps, state, torch.zeros(3, 4), w)
+    with pytest.warns(UserWarning, match="CUDA graphs failed.*stand-in"):
+        y, _ = graphs(_steps, state, torch.zeros(3, 4), w)
+    assert torch.equal(y, torch.zeros(3, 4) + state.amax[0])
+    assert not op_graphs.usable(torch.zeros(1))  # off for the process
+    state.amax.zero_()
+    y, _ = graphs(_steps, state, torch.zeros(3, 4), w)  # (called directly: the body as it is, no second warning)
+    assert torch.equal(y, torch.ones(3, 4))
+
+
+def test_usable_only_where_asked(monkeypatch):
+    cpu = torch.zeros(1)
+    monkeypatch.setattr(op_graphs, "_failure", None)
+    assert not op_graphs.usable(cpu)  # a CPU tensor without the test double
+    monkeypatch.setattr(op_graphs, "EMULATE", True)
+    assert op_graphs.usable(cpu)
+    with torch.inference_mode():
+        assert not op_graphs.usable(cpu)
+    monkeypatch.setattr(env, "GRAPHS", False)
+    assert not op_graphs.usable(cpu)
+
+
+def compiled_fp8_gpt(emulate, bias, steps=4, micro_steps=2, monkeypatch=None):
+    """A 2-layer FP8 GPT compiled (aot_eager on CPU, fp16 autocast), `micro_steps` forward/backward pairs per SGD
+    step: (losses, parameters, model)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    monkeypatch.setattr(op_graphs, "EMULATE", emulate)
+    torch.manual_seed(0)
+    config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True,
+                             dropout=0.0, bias=bias)
+    gpt = model.GPT(config)
+    run = torch.compile(gpt, backend="aot_eager", fullgraph=True)
+    opt = torch.optim.SGD(gpt.parameters(), lr=0.3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        for _ in range(micro_steps):
+            idx = torch.randint(0, 64, (4, 16), generator=gen)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = run(idx, idx)[1] / micro_steps
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, [p.detach().clone() for p in gpt.parameters()], gpt
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_compiled_fp8_gpt_trains_the_same_through_the_graphs(emulated, monkeypatch, bias):
+    """Gradient accumulation (two micro-steps a step): through the (emulated) graphs the losses and weights are the
+    bodies' bit for bit, and from the third call on every forward and backward is a replay. (Without biases the
+    backward returns no bias gradients.)"""
+    plain_losses, plain_params, _ = compiled_fp8_gpt(False, bias, monkeypatch=monkeypatch)
+    losses, params, gpt = compiled_fp8_gpt(True, bias, monkeypatch=monkeypatch)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    for block in gpt.transformer.h:
+        replays = [g.replays for g in block.mlp.fp8.op_graphs.graphs.values()]
+        # 8 forwards and backwards: the first calibrates, the second compiles its kernels, then captured: 6 replays
+        assert replays == [6, 6], replays
+
+
+def test_a_state_moved_or_copied_drops_its_graphs(emulated):
+    state = FP8State()
+    state.op_graphs = op_graphs.OpGraphs(state)
+    import copy
+    assert copy.deepcopy(state).op_graphs is None
+    state.to("cpu")
+    assert state.op_graphs is None
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, bias", [((8, 256, 256), True), ((3, 200, 384), False)])
+def test_the_graphs_train_a_compiled_gpt_as_the_bodies_do_on_the_gpu(monkeypatch, shape, bias):
+    """Inductor (torch.compile's default mode, no CUDA graphs of its own) around the FP8 operators, two micro-steps per
+    step, with and without biases: with the operators' graphs the losses are those without (the same kernels on the
+    same data; not bit for bit: their atomic amax and bias sums, and inductor's, vary run to run), and all but the
+    first two calls replay."""
+    import torch._dynamo
+    batch, T, width = shape
+    runs = []
+    for graphs_on in (False, True):
+        torch._dynamo.reset()
+        monkeypatch.setattr(env, "GRAPHS", graphs_on)
+        torch.manual_seed(0)
+        gpt = model.GPT(model.GPTConfig(block_size=T, vocab_size=512, n_layer=2, n_head=4, n_embd=width, mlp="fused",
+                                        fp8=True, dropout=0.0, bias=bias)).cuda()
+        step = torch.compile(gpt, fullgraph=True)
+        opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3, fused=True)
+        gen = torch.Generator("cuda").manual_seed(0)
+        losses = []
+        for _ in range(5):
+            for _ in range(2):
+                idx = torch.randint(0, 512, (batch, T), device="cuda", generator=gen)
+                with torch.autocast("cuda", torch.bfloat16):
+                    loss = step(idx, idx)[1] / 2
+                loss.backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append((losses, gpt))
+    (plain, _), (losses, gpt) = runs
+    assert losses == pytest.approx(plain, rel=1e-3), (losses, plain)
+    assert losses[-1] < losses[0] - 0.5
+    for block in gpt.transformer.h:
+        assert [g.replays for g in block.mlp.fp8.op_graphs.graphs.values()] == [8, 8]  # (10 calls each)
