@@ -49,9 +49,6 @@ def main(argv=None):
     runtime.check_fp8(cfg["fp8"], device, dtype)  # before any data is prepared; before check_mlp, which it implies
     runtime.check_mlp(cfg["mlp"], device)
     runtime.check_interpreter_dtype(cfg["mlp"], device, dtype)
-    note = runtime.fp8_compile_note(cfg["fp8"], cfg["compile"])
-    if note and rank == 0:
-        print(note, file=sys.stderr)
     check_wandb(cfg)
     if ddp:
         if device.startswith("cuda"):

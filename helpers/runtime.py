@@ -69,16 +69,6 @@ def check_fp8(fp8, device, dtype=None, setting="--fp8=True", instead="use --fp8=
                                 "autocast), and the dtype is float32: use --dtype=bfloat16 or --dtype=float16")
 
 
-def fp8_compile_note(fp8, compile):
-    """One line for the log where the FP8 MLP runs under torch.compile without CUDA graphs, else None: there its
-    operators' host time (about 1 ms a layer and step) sets the step's pace, and a CUDA-graph mode replays it."""
-    if fp8 and compile and compile not in CUDA_GRAPH_MODES:
-        return ("note: --fp8=True under --compile=True waits on the host (its MLP's Python and launches, ~1 ms a "
-                "layer); --compile=reduce-overhead replays them: 1.24x faster on GPT-2 124M, one H100 "
-                "(results/fp8_one_gpu_modes_h100.txt)")
-    return None
-
-
 def check_interpreter_dtype(mlp, device, dtype, setting=None):
     """Triton's interpreter (the fused MLP on a CPU) computes bf16 matmuls wrong (fp16 and fp32 right): where the
     kernels would run there in bf16 (mlp "fused", or "auto", which takes them wherever they can run), one line

@@ -6,6 +6,8 @@ half of every batch, against one process with the whole batch.
 - The FP8 MLP, whose delayed scales each process keeps for itself (no collective inside the MLP, docs/numerics.md):
   its losses follow one process's within the FP8 rule (the gap no larger than twice FP8's own distance from the
   16-bit fused MLP, plus 1e-3), with and without graphs, while the two processes' scales differ.
+- The FP8 MLP compiled (aot_eager, DDP's graph split at its buckets, as train.py's torch.compile), its operators
+  through their own graphs (fused_ops/fp8/graphs.py, emulated): the uncompiled run's losses.
 """
 
 import socket
@@ -16,27 +18,32 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fused_ops
+from fused_ops.fp8 import graphs as op_graphs
 from fused_ops.graphs import MLPGraphs
 from helpers import runtime
 from model import GPT, GPTConfig
 
-VARIANTS = ("fused", "fused_graphs", "fp8", "fp8_graphs")
+VARIANTS = ("fused", "fused_graphs", "fp8", "fp8_graphs", "fp8_compiled")
 STEPS, BATCH = 4, 4
 
 
 def train(variant, rank=0, world=1):
     """(losses averaged over the processes, each block's FP8 scales or None) of STEPS SGD steps of a 2-layer GPT,
     this process taking its share of every batch, under fp16 autocast (the interpreter's bf16 dots are wrong)."""
-    fp8, graphs = variant.startswith("fp8"), variant.endswith("graphs")
+    fp8, graphs, compiled = variant.startswith("fp8"), variant.endswith("graphs"), variant.endswith("compiled")
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=fp8,
                         dropout=0.0, bias=False))
     usable = fused_ops.layers.graphs_usable
     fused_ops.layers.graphs_usable = (lambda x: True) if graphs else usable  # (emulated graphs run on the CPU)
+    op_graphs.EMULATE = compiled
     try:
         for block in gpt.transformer.h:
             block.mlp.path.graphs = MLPGraphs(emulate=True, keep=block.mlp.fp8) if graphs else None
         model = runtime.wrap_model(gpt, False, world, "cpu")
+        if compiled:
+            torch._dynamo.reset()
+            model = torch.compile(model, backend="aot_eager")
         opt = torch.optim.SGD(gpt.parameters(), lr=0.5)
         losses = []
         for step in range(STEPS):
@@ -53,8 +60,12 @@ def train(variant, rank=0, world=1):
             losses.append(loss.item())
     finally:
         fused_ops.layers.graphs_usable = usable
+        op_graphs.EMULATE = False
     if graphs:  # every forward after the first sight, the calibrating one (FP8) and the capture replayed
         assert all(next(iter(b.mlp.path.graphs.captured.values())).generation >= STEPS - 3 for b in gpt.transformer.h)
+    if compiled:  # forward and backward replayed from the third step on (calibration, kernels, then captured)
+        replays = [[g.replays for g in b.mlp.fp8.op_graphs.graphs.values()] for b in gpt.transformer.h]
+        assert replays == [[STEPS - 2] * 2] * len(gpt.transformer.h), replays
     return losses, [b.mlp.fp8.scale.clone() for b in gpt.transformer.h] if fp8 else None
 
 
@@ -91,6 +102,7 @@ def test_fp8_under_ddp_follows_one_process_within_the_fp8_rule(two_processes):
         for a, b, ref in zip(ddp, one_fp8, one_fused):
             assert abs(a - b) <= 2 * abs(b - ref) + 1e-3, (variant, ddp, one_fp8, one_fused)
     assert two_processes[0]["fp8_graphs"][0] == two_processes[0]["fp8"][0]
+    assert two_processes[0]["fp8_compiled"][0] == two_processes[0]["fp8"][0]
     # each process quantizes with its own scales: no collective made them equal
     scales = [two_processes[rank]["fp8"][1] for rank in range(2)]
     assert any(not torch.equal(a, b) for a, b in zip(*scales))

@@ -415,14 +415,6 @@ def test_fp8_needs_16_bit_activations_and_fp8_tensor_cores(monkeypatch):
     runtime.check_fp8(False, "cpu")  # off: nothing asked
 
 
-def test_fp8_under_plain_compile_gets_one_note():
-    note = runtime.fp8_compile_note(True, True)
-    assert note.startswith("note: --fp8=True under --compile=True") and "reduce-overhead" in note
-    assert runtime.fp8_compile_note(True, "default") == note
-    for on, compile in ((True, False), (True, "reduce-overhead"), (True, "max-autotune"), (False, True)):
-        assert runtime.fp8_compile_note(on, compile) is None, (on, compile)
-
-
 def test_config_fp8_is_opt_in_and_checked():
     assert model.GPTConfig().fp8 is False
     for bad in (dict(mlp="auto"), dict(mlp="eager"), dict(mlp="fused", fuse_ln=True), dict(mlp="fused", n_embd=40, n_head=4)):

@@ -5,8 +5,9 @@ Why. There the operators fused_mlp::fp8_mlp_forward and fused_mlp::fp8_mlp_backw
 in Python at every call: four cuBLAS _scaled_mm, five Triton and Gluon launches, a dozen allocations and views, about
 1 ms of host time per layer and step (lab/fp8/step_gaps.py) for about 0.35 ms of GPU work. GPT-2 small's compiled
 step then waits on the host, and FP8 lost to bf16 fused (0.81x on an H100, results/fp8_one_gpu_modes_h100.txt).
-A CUDA graph records the launches once; replaying it costs the host a few µs. (With mode="reduce-overhead" torch.compile's
-own CUDA graphs record the operators with the rest of the step; uncompiled, ../graphs.py records the whole MLP.)
+A CUDA graph records the launches once; replaying it costs the host a few µs. (With mode="reduce-overhead"
+torch.compile's own CUDA graphs record the operators with the rest of the step; uncompiled, ../graphs.py records the
+whole MLP.)
 
 How. Each FP8State keeps one OpGraphs, for its layer's two operators. A call with a new signature (its tensors' shapes,
 strides and dtypes, its other arguments) runs the body as it is: kernels compile and tune there, never inside a capture.
@@ -87,7 +88,7 @@ class _Graph:
             stream.wait_stream(torch.cuda.current_stream())
             try:
                 with torch.cuda.stream(stream):
-                    body(*self.inputs)  # (lazy initializations, cuBLAS's workspace for this stream, outside the capture)
+                    body(*self.inputs)  # (lazy initializations, cuBLAS's workspace for the stream: not in a capture)
                     graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
                     try:
                         outputs = body(*self.inputs)
@@ -122,7 +123,8 @@ class OpGraphs:
     """One layer's captured signatures; __call__(body, *args) returns body(*args), through a graph where it can.
 
     body: a function of its arguments and the FP8State's buffers only, launching the same work every call with the
-    same signature, and returning a tuple of tensors (or None); state: the layer's FP8State (kept by a weak reference)."""
+    same signature, and returning a tuple of tensors (or None); state: the layer's FP8State (kept by a weak
+    reference)."""
 
     def __init__(self, state):
         self.state = weakref.ref(state)

@@ -123,7 +123,7 @@ def main():
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / 10
             gc.callbacks.remove(timer)
-            graphs = [b.mlp.fp8.op_graphs for b in model.transformer.h if getattr(b.mlp, "fp8", None) is not None]
+            graphs = [b.mlp.fp8.op_graphs for b in model.transformer.h if b.mlp.fp8 is not None]
             if any(g is not None for g in graphs):  # the compiled operators' own CUDA graphs (fused_ops/fp8/graphs.py)
                 replays = sum(c.replays for g in graphs if g is not None for c in g.graphs.values())
                 calls = sum(g.calls for g in graphs if g is not None)
