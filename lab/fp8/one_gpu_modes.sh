@@ -10,6 +10,6 @@ done
 timeout 150 python3 lab/fp8/step_gaps.py configs/gpt2_124m.py --variants=fused+compile,fp8+compile > $OUT/gaps.txt 2>&1
 tail -3 $OUT/gaps.txt
 for g in 1 0; do
-  FUSED_OPS_GRAPHS=$g timeout 150 python3 bench.py configs/gpt2_124m.py --mlps=fused,fp8 --compile=True --steps=10 --out=$OUT/mem$g > $OUT/memory_graphs$g.txt 2>&1
+  FUSED_OPS_GRAPHS=$g timeout 150 python3 bench.py configs/gpt2_124m.py --mlps=fused,fp8 --compile=True --steps=10 --out=/tmp/mem$g > $OUT/memory_graphs$g.txt 2>&1
   echo "FUSED_OPS_GRAPHS=$g"; grep -A2 "^variant" $OUT/memory_graphs$g.txt
 done
