@@ -4,6 +4,7 @@
 # 2 GPUs; part 2: GPT-2 124M's on 1, 2 and 4; part 3: the baby GPT's loss curves (500 steps) on 1 and 2 GPUs, bf16
 # and FP8, GPT-2 on 4 GPUs with 100 MB buckets, and the DDP overlap trace; part 4: 100 MB buckets for eager and fused;
 # part 5: everything at 100 MB buckets on one machine, and the 4-GPU fp8 rate at 16x1024 per micro-step (the moonshot).
+# part 6: the moonshot's batch under plain compile (the FP8 operators' own graphs) on 1 and 4 GPUs, and reduce-overhead.
 # Each part fits one 10-minute call.
 set -u
 OUT=${OUT:-/tmp/several_gpus}; mkdir -p "$OUT" /tmp/sg /tmp/runs
@@ -62,4 +63,11 @@ elif [ "$part" = 5 ]; then  # the second session, one machine: 100 MB buckets ev
   timeout 80 python3 bench.py configs/gpt2_124m.py --gpus=4 --mlps=fp8 --compile=reduce-overhead --batch_size=16 \
       --grad_accum=2 --rounds=2 --steps=5 --warmup=3 --out=/tmp/sg/gpt2_moonshot > "$OUT/gpt2_moonshot.log" 2>&1
   show "$OUT/gpt2_moonshot.log"
+elif [ "$part" = 6 ]; then  # the third session: plain compile, where the FP8 operators replay graphs of their own
+  timeout 300 python3 bench.py configs/gpt2_124m.py --gpus=1,4 --mlps=fused,fp8 --compile=True --batch_size=16 \
+      --grad_accum=2 --rounds=2 --steps=5 --warmup=3 --out=/tmp/sg/gpt2_plain16 > "$OUT/gpt2_plain16.log" 2>&1
+  show "$OUT/gpt2_plain16.log"
+  timeout 150 python3 bench.py configs/gpt2_124m.py --gpus=4 --mlps=fp8 --compile=reduce-overhead --batch_size=16 \
+      --grad_accum=2 --rounds=2 --steps=5 --warmup=3 --out=/tmp/sg/gpt2_ro16 > "$OUT/gpt2_ro16.log" 2>&1
+  show "$OUT/gpt2_ro16.log"
 fi
