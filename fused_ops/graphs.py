@@ -35,7 +35,8 @@ What keeps it exact, and what it costs:
   the plain path and save different tensors: FUSED_OPS_GRAPHS=0).
 - Memory: each captured shape holds its layer's buffers (x, y, grad_y, the saved activations, the gradients and
   the backward's temporaries) for the rest of the run, where the plain path frees them after backward: GPT-2
-  small at 12x1024 tokens reserved 6 GiB more (results/graphs_gpt2_124m_h100.txt). At most MAX_SHAPES shapes
+  small at 12x1024 tokens reserved 3 GiB more (16.9 against 13.9 GiB; 6 GiB before every capture ran on one side
+  stream, capture_stream: results/fp8_one_gpu_modes_h100.txt). At most MAX_SHAPES shapes
   per layer are captured, later ones run the plain path; FUSED_OPS_GRAPHS=0 when memory is short.
 - State a layer keeps besides its parameters (the FP8 MLP's scales, `keep`) is put back as it was after a capture:
   the capture's warm-up run would otherwise count as a step of its own. Its kernels update that state in place on
