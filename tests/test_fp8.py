@@ -726,7 +726,7 @@ def test_a_failed_weight_graph_capture_falls_back_with_one_warning(monkeypatch):
             new = state.weights(fc.weight, proj.weight)
         said = [w for w in caught if "weights' remake in a CUDA graph failed" in str(w.message)]
         assert len(said) == (1 if step == 0 else 0), step
-        assert state._graph is None and isinstance(fp8_state._weight_graph_failure, RuntimeError)
+        assert state._graph is None and fp8_state._weight_graph_failure.startswith("RuntimeError")
         want = (*fp8_state.quantize_weight(fc.weight), *fp8_state.quantize_weight(proj.weight))
         for o, e in zip(new, want):
             assert torch.equal(o.view(torch.uint8), e.view(torch.uint8)) if o.dtype == E4M3 else torch.equal(o, e), step

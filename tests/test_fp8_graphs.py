@@ -34,10 +34,9 @@ def _reads(y, w):
 
 def test_calls_are_replayed_from_the_second_on_and_follow_their_inputs(emulated):
     state = FP8State()
-    graphs = op_graphs.OpGraphs(state)
-    w = torch.randn(4)
+    graphs = op_graphs.OpGraphs()
     for i in range(5):
-        x = torch.randn(3, 4)
+        x, w = torch.randn(3, 4), torch.randn(4)  # (every tensor copied in, not only the first)
         amax = state.amax[0].item()
         y, s = graphs(_steps, state, x, w)
         torch.testing.assert_close(y, x * w + amax + 1, rtol=0, atol=1e-6)
@@ -50,7 +49,7 @@ def test_calls_are_replayed_from_the_second_on_and_follow_their_inputs(emulated)
 
 def test_an_output_still_held_is_not_overwritten(emulated):
     state = FP8State()
-    graphs = op_graphs.OpGraphs(state)
+    graphs = op_graphs.OpGraphs()
     w = torch.ones(4)
     graphs(_steps, state, torch.zeros(3, 4), w)
     held, _ = graphs(_steps, state, torch.zeros(3, 4), w)  # replayed; held
@@ -65,9 +64,14 @@ def test_an_output_still_held_is_not_overwritten(emulated):
     assert graph.replays == 2 and torch.equal(again, torch.ones(3, 4) + state.amax[0])
 
 
+def _pair(state, x):
+    """A forward's stand-in with two outputs of one shape."""
+    return x + 1, x + 2
+
+
 def test_another_graphs_outputs_are_read_in_place_and_only_if_they_are_the_ones_given(emulated):
     state = FP8State()
-    graphs = op_graphs.OpGraphs(state)
+    graphs = op_graphs.OpGraphs()
     w = torch.full((4,), 2.0)
     for _ in range(3):
         y = graphs(_steps, state, torch.ones(3, 4), w)[0]  # the forward's stand-in
@@ -77,11 +81,59 @@ def test_another_graphs_outputs_are_read_in_place_and_only_if_they_are_the_ones_
     forward, backward = graphs.graphs.values()
     assert backward.inputs[0] is forward.outputs[0]  # not a copy
     assert forward.replays == 2 and backward.replays == 2 and 0 not in backward.copied
-    # a tensor of the same shape that is not the forward's output: the body runs as it is (and keys a new signature)
+    # a tensor of the same shape that is not the forward's output: the body runs as it is (no second graph)
     other = torch.randn(3, 4)
     (z,) = graphs(_reads, other, w)
     torch.testing.assert_close(z, other * w)
-    assert backward.replays == 2
+    assert backward.replays == 2 and len(graphs.graphs) == 2
+
+
+def test_an_input_read_in_place_must_be_the_very_tensor(emulated):
+    """Two outputs of one shape: a graph reading the first in place, given the second (an output too), runs the body."""
+    state = FP8State()
+    graphs = op_graphs.OpGraphs()
+    w = torch.full((4,), 3.0)
+    for _ in range(3):
+        first, second = graphs(_pair, state, torch.ones(3, 4))
+        (z,) = graphs(_reads, first, w)
+        assert torch.equal(z, torch.full((3, 4), 6.0))
+        del first, second, z
+    backward = graphs.graphs[(_reads, op_graphs._signature((torch.ones(3, 4), w)))]
+    first, second = graphs(_pair, state, torch.ones(3, 4))
+    (z,) = graphs(_reads, second, w)
+    assert torch.equal(z, torch.full((3, 4), 9.0)) and backward.replays == 2
+
+
+def test_at_most_max_signatures_are_captured(emulated):
+    state = FP8State()
+    graphs = op_graphs.OpGraphs()
+    for n in range(1, op_graphs.MAX_SIGNATURES + 3):
+        for _ in range(3):
+            x = torch.randn(n, 4)
+            y, _ = graphs(_steps, state, x, torch.ones(4))
+            torch.testing.assert_close(y, x + state.amax[0])
+            del y, _
+    assert len(graphs.graphs) == op_graphs.MAX_SIGNATURES
+    assert all(g.replays == 2 for g in graphs.graphs.values())
+
+
+def test_the_graphs_do_not_keep_their_state_alive(emulated):
+    """(the state holds its graphs: no cycle back, so a model's graphs go with it without the garbage collector)"""
+    import gc
+    import weakref
+    state = FP8State()
+    state.op_graphs = op_graphs.OpGraphs()
+    for _ in range(3):
+        y, s = state.op_graphs(_steps, state, torch.randn(3, 4), torch.ones(4))
+        del y, s
+    assert state.op_graphs.graphs
+    gone = weakref.ref(state)
+    gc.disable()
+    try:
+        del state
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_a_failed_capture_falls_back_with_one_warning(emulated, monkeypatch):
@@ -89,13 +141,16 @@ def test_a_failed_capture_falls_back_with_one_warning(emulated, monkeypatch):
         raise RuntimeError("stand-in for a capture error")
     monkeypatch.setattr(op_graphs._Graph, "_capture", broken)
     state = FP8State()
-    graphs = op_graphs.OpGraphs(state)
+    graphs = op_graphs.OpGraphs()
     w = torch.ones(4)
     graphs(_steps, state, torch.zeros(3, 4), w)
+    other = op_graphs.OpGraphs()  # another layer's, captured before the failure: freed with it
+    other.graphs["stand-in"] = object()
     with pytest.warns(UserWarning, match="CUDA graphs failed.*stand-in"):
         y, _ = graphs(_steps, state, torch.zeros(3, 4), w)
     assert torch.equal(y, torch.zeros(3, 4) + state.amax[0])
     assert not op_graphs.usable(torch.zeros(1))  # off for the process
+    assert not other.graphs and op_graphs._failure.startswith("RuntimeError")
     state.amax.zero_()
     y, _ = graphs(_steps, state, torch.zeros(3, 4), w)  # (called directly: the body as it is, no second warning)
     assert torch.equal(y, torch.ones(3, 4))
@@ -156,7 +211,7 @@ def test_a_compiled_fp8_gpt_trains_the_same_through_the_graphs(emulated, monkeyp
 
 def test_a_state_moved_or_copied_drops_its_graphs(emulated):
     state = FP8State()
-    state.op_graphs = op_graphs.OpGraphs(state)
+    state.op_graphs = op_graphs.OpGraphs()
     import copy
     assert copy.deepcopy(state).op_graphs is None
     state.to("cpu")

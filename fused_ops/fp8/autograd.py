@@ -197,7 +197,7 @@ def _run(body, x, state, *args):
     without CUDA graphs of its own), else as it is."""
     if state.calibrated and op_graphs.usable(x):
         if state.op_graphs is None:
-            state.op_graphs = op_graphs.OpGraphs(state)
+            state.op_graphs = op_graphs.OpGraphs()
         return state.op_graphs(body, *args)
     return body(*args)
 

@@ -21,18 +21,25 @@ with 12x1024 tokens. Where those are the forward graph's own outputs, the backwa
 What keeps it exact (as ../graphs.py's):
 - A replay overwrites the outputs of the graph's last replay. Before it, the graph checks that nobody holds one (the
   count of tensors on their memory): a forward whose backward has not run, a gradient kept as a .grad. If someone
-  does, the body runs as it is.
-- An input the graph reads in place (a forward's output) must be the one given; if not, the body runs as it is.
+  does, the body runs as it is. (So in a 16-bit model trained without autocast, whose first micro-step's weight
+  gradients become the .grads themselves, every other backward runs as it is; under autocast, as train.py runs,
+  the .grads are fp32 copies.)
+- A signature has one graph. Where the tensors it reads in place are not the ones given (the forward ran as it is,
+  two forwards before their backwards), the body runs as it is.
 - Only a calibrated state's calls are captured: the first forward and backward set the scales from the tensors' own
   amax, a host-side branch. From then on the scales live in the state's buffers, moved on by the GPU (update_scales),
   in the graph as outside it.
-- Not captured: inside another capture (reduce-overhead's, which records the bodies itself), inference mode,
-  FUSED_OPS_GRAPHS=0, and more than MAX_SIGNATURES signatures per layer. A capture that fails turns them off for the
-  process with one warning; the bodies run as they are.
+- Not captured: inside another capture, inference mode, FUSED_OPS_GRAPHS=0, and more than MAX_SIGNATURES signatures
+  per layer. torch.compile's reduce-overhead runs each compiled function once before recording it: the operators'
+  first call runs as it is there, the second is inside its capture, so they capture nothing of their own in that
+  mode (tests/test_fp8.py checks). A capture that fails turns them off for the process, frees every layer's, and
+  warns once; the bodies run as they are.
 Memory: each captured signature keeps its buffers (static inputs, outputs, the temporaries) for the rest of the run,
-where the bodies would free them after each backward.
+where the bodies would free them after each backward: 3.9 GiB more reserved for GPT-2 small at 12x1024 tokens
+(results/fp8_one_gpu_modes_h100.txt).
 """
 
+import contextlib
 import warnings
 import weakref
 
@@ -43,7 +50,8 @@ from ..graphs import _holders, capture_stream
 
 MAX_SIGNATURES = 4  # per layer: the forward and backward of the training shape, and of one more (the last micro-batch)
 EMULATE = False  # a CPU test double for the graphs (tests): a "replay" runs the body on the static inputs
-_failure = None  # the exception that turned the graphs off for the process, if one did
+_failure = None  # what turned the graphs off for the process, if anything did (a line: no traceback keeps memory)
+_every = weakref.WeakSet()  # every OpGraphs, so that a failure frees all their graphs
 
 
 def usable(x):
@@ -57,7 +65,10 @@ def usable(x):
 
 
 def _signature(args):
-    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
+    """What a graph is captured for: the tensors' shapes, strides, dtypes and devices, the other arguments' values
+    (the layer's FP8State by its type only: an OpGraphs serves one state, and a key must not keep it alive)."""
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                 else type(a) if isinstance(a, torch.nn.Module) else a for a in args)
 
 
 def _where(t):
@@ -65,54 +76,64 @@ def _where(t):
 
 
 class _Graph:
-    """One signature's graph: its static inputs (copies, or another graph's outputs read in place), its outputs, and
-    the count of tensors on each output's memory while nobody else holds one."""
+    """One signature's graph: its static tensors (copies, or another graph's outputs read in place; the other
+    arguments are not kept: every call with the signature brings the same), its outputs, and the count of tensors on
+    each output's memory while nobody else holds one."""
 
-    def __init__(self, body, args, shared, state):
-        self.inputs = tuple(s if s is not None else a.clone() if isinstance(a, torch.Tensor) else a
+    def __init__(self, body, args, shared):
+        self.inputs = tuple(s if s is not None else a.clone() if isinstance(a, torch.Tensor) else None
                             for a, s in zip(args, shared))
         self.copied = [i for i, (a, s) in enumerate(zip(args, shared)) if isinstance(a, torch.Tensor) and s is None]
-        cuda = [a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
-        self.outputs, self._graph = self._capture(body, state, cuda[0] if cuda else None)
+        self.shared = tuple(s is not None for s in shared)
+        devices = [a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
+        self.outputs, self._graph = self._capture(body, args, devices[0] if devices else None)
         self.handed = tuple((t, _holders(t)) for t in self.outputs if t is not None and t.numel())
         self.replays = 0
 
-    def _capture(self, body, state, device):
-        """(outputs, graph): the body recorded on the static inputs (device None, the test double: run on them, graph
+    def _arguments(self, args):
+        return tuple(s if isinstance(s, torch.Tensor) else a for s, a in zip(self.inputs, args))
+
+    def _capture(self, body, args, device):
+        """(outputs, graph): the body recorded on the static tensors (device None, the test double: run on them, graph
         None); the state's buffers put back as they were after it (the call itself is the replay that follows)."""
+        state = next((a for a in args if isinstance(a, torch.nn.Module)), torch.nn.Module())
+        inputs = self._arguments(args)
         kept = [b.clone() for b in state.buffers()]
         try:
             if device is None:
-                return body(*self.inputs), None
-            graph, stream = torch.cuda.CUDAGraph(), capture_stream(device)
-            stream.wait_stream(torch.cuda.current_stream())
-            try:
-                with torch.cuda.stream(stream):
-                    body(*self.inputs)  # (lazy initializations, cuBLAS's workspace for the stream: not in a capture)
-                    graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
-                    try:
-                        outputs = body(*self.inputs)
-                    finally:
-                        graph.capture_end()
-            finally:
-                torch.cuda.current_stream().wait_stream(stream)
-            return outputs, graph
+                return body(*inputs), None
+            with torch.cuda.device(device):  # (the streams below are the layer's GPU's, whichever is current)
+                graph, stream = torch.cuda.CUDAGraph(), capture_stream(device)
+                stream.wait_stream(torch.cuda.current_stream())
+                try:
+                    with torch.cuda.stream(stream):
+                        body(*inputs)  # (lazy initializations, cuBLAS's workspace for the stream: not in a capture)
+                        graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
+                        try:
+                            outputs = body(*inputs)
+                        finally:
+                            graph.capture_end()
+                finally:
+                    torch.cuda.current_stream().wait_stream(stream)
+                return outputs, graph
         finally:
-            for b, old in zip(state.buffers(), kept):
-                b.copy_(old)
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                for b, old in zip(state.buffers(), kept):
+                    b.copy_(old)
 
-    def run(self, body, args):
-        """The body's outputs for args through a replay, or None where a replay would overwrite what someone holds."""
-        if any(_holders(t) > alone for t, alone in self.handed):
+    def run(self, body, args, shared):
+        """The body's outputs for args through a replay, or None where it cannot: a replay would overwrite what
+        someone holds, or an input read in place is not the one given."""
+        if shared != self.shared or any(_holders(t) > alone for t, alone in self.handed):
             return None
-        if any(a is not None and isinstance(s, torch.Tensor) and i not in self.copied and _where(a) != _where(s)
-               for i, (a, s) in enumerate(zip(args, self.inputs))):
+        if any(s and _where(a) != _where(t) for s, a, t in zip(shared, args, self.inputs)):
             return None
         if self.copied:
             torch._foreach_copy_([self.inputs[i] for i in self.copied], [args[i] for i in self.copied])
         if self._graph is None:  # the test double: the body's results written where a replay would write them
-            torch._foreach_copy_(*zip(*((o, n) for o, n in zip(self.outputs, body(*self.inputs))
-                                        if o is not None and o.numel())))
+            for o, n in zip(self.outputs, body(*self._arguments(args))):
+                if o is not None:
+                    o.copy_(n)
         else:
             self._graph.replay()
         self.replays += 1
@@ -122,37 +143,43 @@ class _Graph:
 class OpGraphs:
     """One layer's captured signatures; __call__(body, *args) returns body(*args), through a graph where it can.
 
-    body: a function of its arguments and the FP8State's buffers only, launching the same work every call with the
-    same signature, and returning a tuple of tensors (or None); state: the layer's FP8State (kept by a weak
-    reference)."""
+    body: a function of its arguments and the FP8State's buffers only (the state among its arguments), launching the
+    same work every call with the same signature, and returning a tuple of tensors (or None)."""
 
-    def __init__(self, state):
-        self.state = weakref.ref(state)
+    def __init__(self):
         self.graphs, self.seen, self.calls = {}, set(), 0
         self.outputs = {}  # _where(t) -> t for every graph's outputs: the inputs another graph may read in place
+        _every.add(self)
 
     def __call__(self, body, *args):
-        global _failure
         self.calls += 1
         if _failure is not None:
             return body(*args)
-        shared = tuple(self.outputs.get(_where(a)) if isinstance(a, torch.Tensor) and a.numel() else None
-                       for a in args)
         signature = (body, _signature(args))
-        key = (*signature, tuple(s is not None for s in shared))  # (where the inputs read in place differ: another)
-        graph = self.graphs.get(key)
+        shared = tuple(isinstance(a, torch.Tensor) and a.numel() > 0 and _where(a) in self.outputs for a in args)
+        graph = self.graphs.get(signature)
         if graph is None:
             if signature not in self.seen or len(self.graphs) >= MAX_SIGNATURES:
-                if len(self.seen) < 64:
+                if len(self.seen) < 64:  # (signatures that never come back are not all remembered)
                     self.seen.add(signature)
                 return body(*args)  # the first call: kernels compile and tune here, never inside a capture
             try:
-                graph = self.graphs[key] = _Graph(body, args, shared, self.state())
+                graph = _Graph(body, args, [self.outputs[_where(a)] if s else None for s, a in zip(shared, args)])
             except Exception as e:  # an optional fast path: fall back, once, with one warning
-                _failure = e
-                warnings.warn(f"capturing the compiled FP8 MLP's operators in CUDA graphs failed ({type(e).__name__}: "
-                              f"{e}); they run as they are from now on", stacklevel=3)
+                _fail(e)
                 return body(*args)
+            self.graphs[signature] = graph
             self.outputs.update((_where(t), t) for t in graph.outputs if t is not None and t.numel())
-        out = graph.run(body, args)
+        out = graph.run(body, args, shared)
         return body(*args) if out is None else out
+
+
+def _fail(e):
+    """Turn the graphs off for the process, with one warning, and free every layer's."""
+    global _failure
+    _failure = f"{type(e).__name__}: {e}"
+    for graphs in list(_every):
+        graphs.graphs.clear()
+        graphs.outputs.clear()
+    warnings.warn(f"capturing the compiled FP8 MLP's operators in CUDA graphs failed ({_failure}); they run as they "
+                  "are from now on", stacklevel=4)

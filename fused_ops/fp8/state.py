@@ -45,7 +45,7 @@ def check_fp8_device(device, setting="fp8=True", instead="use fp8=False"):
 # per MLP, replayed for a few µs: outside CUDA graphs (an uncompiled model), FP8's step waited on this host time
 # (lab/fp8/step_gaps.py). Turned off with FUSED_OPS_GRAPHS=0, or here (the probe compares).
 WEIGHT_GRAPHS = True
-_weight_graph_failure = None  # the exception that turned the weight graphs off for the process, if one did
+_weight_graph_failure = None  # what turned the weight graphs off for the process, if anything did (a line: no traceback)
 
 _STATES = []  # weak references to every FP8State of the process, by number
 _optimizer_steps = 0  # optimizer steps taken in this process (torch.optim's global post-step hook counts them)
@@ -153,22 +153,23 @@ class FP8State(torch.nn.Module):
 def _captured(remake, where, device):
     """(where, a CUDA graph of remake()), or None after one warning if the capture fails (the eager remake goes on)."""
     global _weight_graph_failure
-    graph, stream = torch.cuda.CUDAGraph(), capture_stream(device)
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                remake()
-            finally:
-                graph.capture_end()
-    except Exception as e:  # an optional fast path: fall back, once, with one warning
-        _weight_graph_failure = e
-        warnings.warn(f"capturing the FP8 weights' remake in a CUDA graph failed ({type(e).__name__}: {e}); it runs "
-                      "eagerly from now on", stacklevel=4)
-        return None
-    finally:
-        torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.device(device):  # (the streams below are the weights' GPU's, whichever is current)
+        graph, stream = torch.cuda.CUDAGraph(), capture_stream(device)
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    remake()
+                finally:
+                    graph.capture_end()
+        except Exception as e:  # an optional fast path: fall back, once, with one warning
+            _weight_graph_failure = f"{type(e).__name__}: {e}"
+            warnings.warn(f"capturing the FP8 weights' remake in a CUDA graph failed ({_weight_graph_failure}); it "
+                          "runs eagerly from now on", stacklevel=4)
+            return None
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
     return where, graph
 
 
