@@ -70,6 +70,25 @@ def capture_stream(device):
     return _streams[index]
 
 
+def record(fn, stream, pool=None, error_mode="global"):
+    """(fn()'s outputs, a CUDA graph of its launches), recorded on stream (capture_stream's) into pool (None: a pool
+    of its own); the stream waits for the current one first, and the current one for it after. capture_begin rather
+    than torch.cuda.graph(): that one empties the allocator's cache on every capture, a cost every layer and shape
+    would pay again. error_mode: capture_begin's capture_error_mode."""
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode=error_mode)
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+    return out, graph
+
+
 def _holders(t):
     """How many tensors share t's memory (references to its storage)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -140,17 +159,7 @@ class _Captured:
                     if o is not None:
                         o.detach().copy_(n)
             return out, replay
-        graph = torch.cuda.CUDAGraph()
-        stream.wait_stream(torch.cuda.current_stream())
-        # capture_begin rather than torch.cuda.graph(): that one empties the allocator's cache on every capture,
-        # a cost every layer and shape would pay again.
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
-            try:
-                out = fn()
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
+        out, graph = record(fn, stream, pool)
         return out, graph.replay
 
     def handed_out_alive(self):

@@ -46,7 +46,7 @@ import weakref
 import torch
 
 from .. import env
-from ..graphs import _holders, capture_stream
+from ..graphs import _holders, capture_stream, record
 
 MAX_SIGNATURES = 4  # per layer: the forward and backward of the training shape, and of one more (the last micro-batch)
 EMULATE = False  # a CPU test double for the graphs (tests): a "replay" runs the body on the static inputs
@@ -99,25 +99,16 @@ class _Graph:
         state = next((a for a in args if isinstance(a, torch.nn.Module)), torch.nn.Module())
         inputs = self._arguments(args)
         kept = [b.clone() for b in state.buffers()]
-        try:
-            if device is None:
-                return body(*inputs), None
-            with torch.cuda.device(device):  # (the streams below are the layer's GPU's, whichever is current)
-                graph, stream = torch.cuda.CUDAGraph(), capture_stream(device)
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():  # (the layer's streams)
+            try:
+                if device is None:
+                    return body(*inputs), None
+                stream = capture_stream(device)
                 stream.wait_stream(torch.cuda.current_stream())
-                try:
-                    with torch.cuda.stream(stream):
-                        body(*inputs)  # (lazy initializations, cuBLAS's workspace for the stream: not in a capture)
-                        graph.capture_begin(pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local")
-                        try:
-                            outputs = body(*inputs)
-                        finally:
-                            graph.capture_end()
-                finally:
-                    torch.cuda.current_stream().wait_stream(stream)
-                return outputs, graph
-        finally:
-            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                with torch.cuda.stream(stream):
+                    body(*inputs)  # (lazy initializations, cuBLAS's workspace for the stream: not in a capture)
+                return record(lambda: body(*inputs), stream, torch.cuda.graph_pool_handle(), "thread_local")
+            finally:
                 for b, old in zip(state.buffers(), kept):
                     b.copy_(old)
 

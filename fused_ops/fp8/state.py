@@ -12,7 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import env
-from ..graphs import capture_stream
+from ..graphs import capture_stream, record
 from ..matmul import _capability
 from .kernels import E4M3, FP8_MAX, SLOT_DTYPES, quantize_weight_fused
 
@@ -153,24 +153,14 @@ class FP8State(torch.nn.Module):
 def _captured(remake, where, device):
     """(where, a CUDA graph of remake()), or None after one warning if the capture fails (the eager remake goes on)."""
     global _weight_graph_failure
-    with torch.cuda.device(device):  # (the streams below are the weights' GPU's, whichever is current)
-        graph, stream = torch.cuda.CUDAGraph(), capture_stream(device)
-        stream.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    remake()
-                finally:
-                    graph.capture_end()
-        except Exception as e:  # an optional fast path: fall back, once, with one warning
-            _weight_graph_failure = f"{type(e).__name__}: {e}"
-            warnings.warn(f"capturing the FP8 weights' remake in a CUDA graph failed ({_weight_graph_failure}); it "
-                          "runs eagerly from now on", stacklevel=4)
-            return None
-        finally:
-            torch.cuda.current_stream().wait_stream(stream)
-    return where, graph
+    try:
+        with torch.cuda.device(device):  # (the streams are the weights' GPU's, whichever is current)
+            return where, record(remake, capture_stream(device), error_mode="thread_local")[1]
+    except Exception as e:  # an optional fast path: fall back, once, with one warning
+        _weight_graph_failure = f"{type(e).__name__}: {e}"
+        warnings.warn(f"capturing the FP8 weights' remake in a CUDA graph failed ({_weight_graph_failure}); it runs "
+                      "eagerly from now on", stacklevel=4)
+        return None
 
 
 def quantize_weight(w):
