@@ -1,0 +1,55 @@
+"""train.train_step under DDP against one process (tests/ddp_steps.py says how): gradients within the repo's rule
+and parameters equal bit for bit on every process. Over Gloo on the CPU (uncompiled, and compiled with aot_eager:
+DDP split at its buckets as inductor splits it), and over NCCL on 2 GPUs in every compile mode, the fused MLP
+in bf16 and in FP8, with 1, 2 and 4 micro-steps per process."""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests import ddp_steps
+
+WORLD = 2
+
+
+def spawn(backend, cases, out):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(ddp_steps.worker, args=(WORLD, port, backend, cases, str(out)), nprocs=WORLD)
+    return [torch.load(out / f"{rank}.pt") for rank in range(WORLD)]
+
+
+def check(results, cases, device, dtype):
+    """Every case: the processes' gradients equal and within the rule of the float64 reference; parameters equal."""
+    for case in cases:
+        compile, accum, mlp, fp8 = case
+        (grads0, params0), (grads1, params1) = results[0][case], results[1][case]
+        for step, (g0, g1) in enumerate(zip(grads0, grads1)):
+            assert torch.equal(g0, g1), (case, step)
+            n = WORLD * accum
+            exact = ddp_steps.reference_grads(step, n, device, torch.float64).cpu()
+            same_dtype = ddp_steps.reference_grads(step, n, device, dtype, mlp, fp8).cpu()
+            bound = 2 * ddp_steps.rel(same_dtype, exact) + 1e-5
+            assert ddp_steps.rel(g0, exact) <= bound, (case, step, ddp_steps.rel(g0, exact), bound)
+        assert torch.equal(params0, params1), case
+
+
+CPU_CASES = [(False, 1, "eager", False), (False, 2, "eager", False), (False, 4, "eager", False),
+             ("aot_eager", 2, "eager", False)]
+
+
+def test_ddp_steps_match_one_process_over_gloo(tmp_path):
+    check(spawn("gloo", CPU_CASES, tmp_path), CPU_CASES, "cpu", torch.float32)
+
+
+GPU_CASES = [(compile, accum, "fused", False) for compile in (False, True, "reduce-overhead") for accum in (1, 2, 4)]
+GPU_CASES += [(compile, accum, "fused", True) for compile in (True, "reduce-overhead") for accum in (1, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs")
+def test_ddp_steps_match_one_process_on_two_gpus(tmp_path):
+    check(spawn("nccl", GPU_CASES, tmp_path), GPU_CASES, "cuda:0", torch.bfloat16)
