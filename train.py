@@ -132,7 +132,7 @@ def train(cfg, ckpt, argv, device, rank, world):
             lr = get_lr(progress.iter_num, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            signum = stop.requested(world, device)  # the stop asked for by a signal, agreed by every process
+            signum = stop.requested()  # the stop asked for by a signal, agreed by every process (on the CPU)
             if signum:
                 raise stopped_by_signal(cfg, progress, signum, argv, world, save, master)
 

@@ -29,6 +29,19 @@ class TrainingDiverged(errors.RunError):
     """The loss became NaN or inf; nothing was saved after the last good checkpoint."""
 
 
+_GROUPS = {}
+
+
+def agreement_group():
+    """A process group for CPU tensors: the default one where it is Gloo, else a Gloo group over the same processes
+    (made once, on the first call, which every process makes at the same point of the loop)."""
+    if dist.get_backend() == "gloo":
+        return None
+    if _GROUPS.get("world") is not dist.group.WORLD:  # none yet, or one of an earlier (destroyed) default group
+        _GROUPS.update(world=dist.group.WORLD, gloo=dist.new_group(backend="gloo"))
+    return _GROUPS["gloo"]
+
+
 class StopOnSignal:
     """While active, the first SIGINT or SIGTERM only records itself in .signum; a second one raises
     KeyboardInterrupt at once (a checkpoint write it cuts short leaves the previous checkpoint whole)."""
@@ -47,13 +60,16 @@ class StopOnSignal:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
-    def requested(self, world=1, device="cpu"):
+    def requested(self):
         """The signal that asks this run to stop, once any process has received one (all processes agree:
-        under torchrun one all_reduce, so that they all stop at the same step), else None."""
+        under torchrun one all_reduce, so that they all stop at the same step), else None. The agreement runs on
+        the CPU (agreement_group): over NCCL, reading the flag back would wait for the GPU to finish the step
+        queued before it, idling the GPU while the host queues the next one (and hiding that step's last backward
+        from the step time train.py reports; docs/performance.md#several-gpus)."""
         signum = self.signum or 0
-        if world > 1:
-            flag = torch.tensor(signum, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor(signum)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=agreement_group())
             signum = int(flag)
         return signal.Signals(signum) if signum else None
 

@@ -17,12 +17,13 @@ so one process that accumulates all of them computes the same gradient. Two chec
 
 import contextlib
 import os
+import signal
 
 import torch
 import torch.distributed as dist
 
 import train
-from helpers import runtime
+from helpers import runtime, stopping
 from model import GPT, GPTConfig
 
 VOCAB, T, BATCH = 96, 32, 4
@@ -107,8 +108,22 @@ def run_steps(rank, world, device, compile, accum, mlp, fp8, dtype):
     return grads, params
 
 
+def stop_agreement(rank, device):
+    """(the signal StopOnSignal.requested agrees on when only process 1 got SIGTERM, whether the GPU was still busy
+    after it): the agreement must not wait for the GPU's queued work (on the CPU: None for busy)."""
+    with stopping.StopOnSignal(master=False) as stop:
+        stop.signum = signal.SIGTERM if rank == 1 else None
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000_000)  # about a second of GPU work queued ahead of the agreement
+        agreed = stop.requested()
+        busy = not torch.cuda.current_stream().query() if device.startswith("cuda") else None
+    return int(agreed or 0), busy
+
+
 def worker(rank, world, port, backend, cases, out):
-    """Runs every case (compile, accum, mlp, fp8) in this process and saves what run_steps returned for each."""
+    """Runs every case (compile, accum, mlp, fp8) in this process and saves what run_steps returned for each, and
+    what stop_agreement returned under "stop"."""
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
@@ -118,6 +133,7 @@ def worker(rank, world, port, backend, cases, out):
     try:
         with torch.autograd.set_multithreading_enabled(True):  # as train.main under DDP
             results = {case: run_steps(rank, world, device, *case, dtype) for case in cases}
+        results["stop"] = stop_agreement(rank, device)
         torch.save(results, f"{out}/{rank}.pt")
     finally:
         dist.destroy_process_group()

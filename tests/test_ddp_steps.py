@@ -3,6 +3,7 @@ and parameters equal bit for bit on every process. Over Gloo on the CPU (uncompi
 DDP split at its buckets as inductor splits it), and over NCCL on 2 GPUs in every compile mode, the fused MLP
 in bf16 and in FP8, with 1, 2 and 4 micro-steps per process."""
 
+import signal
 import socket
 
 import pytest
@@ -35,6 +36,25 @@ def check(results, cases, device, dtype):
             bound = 2 * ddp_steps.rel(same_dtype, exact) + 1e-5
             assert ddp_steps.rel(g0, exact) <= bound, (case, step, ddp_steps.rel(g0, exact), bound)
         assert torch.equal(params0, params1), case
+
+
+def check_stop(results, gpu):
+    """Both processes stop on the one's SIGTERM, and (on GPUs) agreeing did not wait for the GPU's queued work."""
+    for rank in range(WORLD):
+        agreed, busy = results[rank]["stop"]
+        assert agreed == signal.SIGTERM.value and busy == (True if gpu else None), (rank, agreed, busy)
+
+
+def test_stop_agreement_over_gloo(tmp_path):
+    check_stop(spawn("gloo", [], tmp_path), gpu=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs")
+def test_stop_agreement_on_two_gpus_does_not_wait_for_the_gpu(tmp_path):
+    """Issue 50: the agreement read back over NCCL waited for the step queued before it, so train.py's step time left
+    out each step's last backward and the GPU idled while the next step was queued."""
+    check_stop(spawn("nccl", [], tmp_path), gpu=True)
 
 
 CPU_CASES = [(False, 1, "eager", False), (False, 2, "eager", False), (False, 4, "eager", False),
