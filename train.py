@@ -129,6 +129,7 @@ def train(cfg, ckpt, argv, device, rank, world):
     losses, mfu, local_iter = None, None, 0
     with StopOnSignal(master, grace=1.0 if world > 1 else 0.0) as stop, bar, closing(log):
         while True:
+            t0 = time.perf_counter()  # an iteration's time: the stop agreement and the step (an eval's is its own)
             lr = get_lr(progress.iter_num, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -137,9 +138,9 @@ def train(cfg, ckpt, argv, device, rank, world):
                 raise stopped_by_signal(cfg, progress, signum, argv, world, save, master)
 
             if eval_due(progress, cfg):
-                t0 = time.perf_counter()
+                e0 = time.perf_counter()
                 losses = estimate_loss(model, batches, cfg, autocast, device, rank, world)
-                timer.eval(time.perf_counter() - t0)
+                timer.eval(time.perf_counter() - e0)
                 if not all(map(math.isfinite, losses.values())):
                     raise diverged(cfg, progress, "val/train loss", losses, lr, dtype)
                 log.write({"type": "eval", "iter": progress.iter_num, "train_loss": losses["train"],
@@ -152,10 +153,10 @@ def train(cfg, ckpt, argv, device, rank, world):
                 if losses["val"] < progress.best_val or cfg["always_save_checkpoint"]:
                     progress.best_val = min(progress.best_val, losses["val"])
                     save(evaluated=True)
+                t0 = time.perf_counter()  # (the eval and its checkpoint are timed apart)
             if progress.iter_num >= cfg["max_iters"]:
                 break
 
-            t0 = time.perf_counter()
             lossf = train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world)
             dt = time.perf_counter() - t0
             timer.step(dt)
