@@ -32,6 +32,7 @@ GATED_ACTIVATIONS = {
     "sigmoid_tanh": lambda gate, up: torch.sigmoid(gate) * torch.tanh(up),
 }
 MLP_KINDS = ("eager", "fused", "auto")
+CLASSIFIER_KINDS = ("eager", "fused")
 
 
 @dataclass
@@ -47,10 +48,13 @@ class GPTConfig:
     activation: str = "gelu"  # a key of PLAIN_ACTIVATIONS or GATED_ACTIVATIONS
     fuse_ln: bool = False  # fold each block's second LayerNorm into the fused MLP's first matmul
     fp8: bool = False  # train the fused MLP's GEMMs in FP8 (fused_ops/fp8.py); never chosen by "auto"
+    classifier: str = "eager"  # "eager" | "fused": LM head + cross-entropy as one operator (fused_ops/classifier.py)
 
     def __post_init__(self):
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"config key 'mlp' must be one of {MLP_KINDS}, got {self.mlp!r}")
+        if self.classifier not in CLASSIFIER_KINDS:
+            raise ValueError(f"config key 'classifier' must be one of {CLASSIFIER_KINDS}, got {self.classifier!r}")
         known = list(PLAIN_ACTIVATIONS) + list(GATED_ACTIVATIONS)
         if self.activation not in known:
             raise ValueError(f"config key 'activation' must be one of {known}, got {self.activation!r}")
@@ -242,6 +246,9 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        # the fused classifier: the loss and its gradients without the logits (only where there are targets)
+        self.fused_classifier = import_fused_ops(required=True).linear_cross_entropy \
+            if config.classifier == "fused" else None
         self.apply(self._init_weights)
         # GPT-2's scaled init: each residual projection adds to the stream, so shrink it by sqrt(2 * n_layer).
         for name, p in self.named_parameters():
@@ -271,6 +278,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:  # inference: only the last position's logits are needed
             return self.lm_head(x[:, [-1], :]), None
+        if self.fused_classifier is not None:  # training and evaluation: the loss alone, no logits
+            return None, self.fused_classifier(x, self.lm_head.weight, targets)
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss

@@ -48,6 +48,8 @@ def main(argv=None):
     dtype = runtime.precision(cfg["dtype"], device.split(":")[0])[0]  # (what "auto" is here)
     runtime.check_fp8(cfg["fp8"], device, dtype)  # before any data is prepared; before check_mlp, which it implies
     runtime.check_mlp(cfg["mlp"], device)
+    runtime.check_mlp("fused" if cfg["classifier"] == "fused" else "eager", device, source="--classifier=fused",
+                      instead="use --classifier=eager")
     runtime.check_interpreter_dtype(cfg["mlp"], device, dtype)
     check_wandb(cfg)
     if ddp:
@@ -266,7 +268,7 @@ def load_pretrained(cfg, meta):
                           "--tokenizer=gpt2 (e.g. --dataset=shakespeare)")
     try:
         model = GPT.from_pretrained(name, mlp=cfg["mlp"], dropout=cfg["dropout"], block_size=cfg["block_size"],
-                                    fuse_ln=cfg["fuse_ln"], fp8=cfg["fp8"])
+                                    fuse_ln=cfg["fuse_ln"], fp8=cfg["fp8"], classifier=cfg["classifier"])
     except (OSError, ValueError) as e:  # not downloadable offline, a folder without the files, a bad block_size
         raise ConfigError(f"init_from={name!r}: {e}") from e
     model_args = {k: getattr(model.config, k) for k in (*config.MODEL_KEYS, "vocab_size")}

@@ -17,20 +17,22 @@ The portable core (any GPU Triton runs on, or the CPU interpreter; no Hopper ker
 7. ops.py: the kernels as torch.library operators, so torch.compile (even fullgraph=True) compiles around them.
 8. mlp.py: argument checks and the MLP's autograd: the two kernels above plus cuBLAS for the rest.
 9. backends.py: where a faster kernel for an op registers; linear_act.py and dgrad.py ask it before launching.
+10. classifier.py: the LM head and the cross-entropy as one operator (model.GPT's classifier="fused"): chunks of
+    logits, one row kernel that writes the loss's gradient over them, cuBLAS for the GEMMs.
 
 Then, above the core:
 
-10. hopper/: pingpong.py, the Hopper forward and dgrad in Gluon, warp-specialized, and dispatch.py, which
+11. hopper/: pingpong.py, the Hopper forward and dgrad in Gluon, warp-specialized, and dispatch.py, which
     registers them with backends.py; if the kernel fails to compile or launch on your Triton, the Triton kernels
     take over after one FallbackWarning (FUSED_OPS_PINGPONG=0 turns it off).
-11. fp8/: the opt-in FP8 MLP. kernels.py: delayed per-tensor scales (the recipe), the casts and the Triton
+12. fp8/: the opt-in FP8 MLP. kernels.py: delayed per-tensor scales (the recipe), the casts and the Triton
     epilogues (off Hopper) that write the FP8 copies; state.py: FP8State; hopper.py: on Hopper the ping-pong
     kernel's FP8 main loops and epilogues (FP8_IN, FP8_OUT); autograd.py runs it, outside torch.compile and inside.
-12. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
+13. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
     shape, so its dozen launches cost one (FUSED_OPS_GRAPHS=0 turns them off: they keep memory).
-13. precompile.py: with a cold Triton cache, a child process compiles the MLP's kernels while the run starts up
+14. precompile.py: with a cold Triton cache, a child process compiles the MLP's kernels while the run starts up
     (FUSED_OPS_PRECOMPILE=0 turns it off).
-14. layers.py: the runners model.MLP picks once (FusedMLP, FP8MLP, AutoMLP), which own the CUDA graphs.
+15. layers.py: the runners model.MLP picks once (FusedMLP, FP8MLP, AutoMLP), which own the CUDA graphs.
 """
 
 from .activations import GATED, PLAIN, kernel_activations
@@ -38,6 +40,7 @@ from .dgrad import linear_act_dgrad
 from .linear_act import linear_act_forward
 from .mlp import (FusedMLPFunction, LinearActFunction, check_mlp_args, fused_mlp, fused_mlp_layers, kernels_can_run,
                   layers_as_function, linear_act)
+from .classifier import linear_cross_entropy
 from . import hopper  # noqa: F401  (after the core: registers the Hopper kernels with backends)
 from .fp8 import FP8State, check_fp8_device, fp8_layers_as_function, fp8_mlp, fp8_supported
 from .graphs import MLPGraphs, graphs_usable
@@ -47,5 +50,5 @@ __all__ = [
     "GATED", "PLAIN", "kernel_activations", "FP8State", "check_fp8_device", "fp8_graphs_usable", "fp8_layers_as_function", "fp8_mlp", "fp8_supported",
     "MLPGraphs", "graphs_usable",
     "linear_act_dgrad", "linear_act_forward", "FusedMLPFunction", "LinearActFunction", "check_mlp_args", "fused_mlp", "fused_mlp_layers", "kernels_can_run",
-    "linear_act", "layers_as_function", "AutoMLP", "FP8MLP", "FusedMLP",
+    "linear_act", "layers_as_function", "linear_cross_entropy", "AutoMLP", "FP8MLP", "FusedMLP",
 ]

@@ -175,7 +175,8 @@ def load_model(out_dir, device="cpu", mlp=None):
         raise errors.UsageError(f"no checkpoint at {ckpt_path}; train one first, e.g. python train.py "
                                 "configs/shakespeare_char_cpu.py")
     ckpt = read(ckpt_path, keys=("model", "model_args", "meta"))
-    model_args = {**ckpt["model_args"], "dropout": 0.0, "fp8": False}  # FP8 is a way to train: inference runs bf16
+    # FP8 and the fused classifier are ways to train: inference runs bf16 and needs the logits
+    model_args = {**ckpt["model_args"], "dropout": 0.0, "fp8": False, "classifier": "eager"}
     if mlp is None:  # the checkpoint's choice, which may not run here (trained with the kernels on a GPU)
         runtime.check_mlp(model_args["mlp"], device, source=f"{ckpt_path} has mlp='fused', which")
     else:

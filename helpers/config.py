@@ -58,6 +58,7 @@ DEFAULTS = dict(
     activation="gelu",
     fuse_ln=False,  # fold each block's second LayerNorm into the fused MLP (mlp="fused" or "auto")
     fp8=False,  # FP8 GEMMs in the fused MLP (mlp="fused", an Ada or Hopper GPU): fused_ops/fp8.py
+    classifier="eager",  # "eager" | "fused": the LM head and cross-entropy as one operator (fused_ops/classifier.py)
     vocab_size=None,  # None: the dataset's vocabulary size
     # AdamW
     learning_rate=6e-4,
@@ -84,7 +85,8 @@ DEFAULTS = dict(
 # the keys whose default does not say every type they take
 KEY_TYPES = {"vocab_size": (int, type(None)), "compile": (bool, str)}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "mlp", "activation", "fuse_ln", "fp8")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "mlp", "activation", "fuse_ln", "fp8",
+              "classifier")
 ARCH_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "activation")  # fixed by the weights
 PRETRAINED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 sizes, as GPT.from_pretrained names them
 

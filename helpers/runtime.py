@@ -36,7 +36,7 @@ def precision(dtype, device_type, auto_fp16=True):
     return dtype, autocast
 
 
-def check_mlp(mlp, device, source="--mlp=fused"):
+def check_mlp(mlp, device, source="--mlp=fused", instead="use --mlp=auto or --mlp=eager"):
     """mlp="fused" runs the Triton kernels: Triton must import, and they take CUDA tensors (or CPU ones under
     Triton's interpreter, TRITON_INTERPRET=1 set before Triton is imported). Otherwise one line naming --mlp,
     before any work; source says where the setting came from (the command line, or a checkpoint)."""
@@ -46,10 +46,10 @@ def check_mlp(mlp, device, source="--mlp=fused"):
         fused_ops = model.import_fused_ops(required=True)
     except ImportError as e:
         raise errors.UsageError(f"{source} needs Triton, which cannot be imported here ({e.__cause__ or e}): "
-                                "use --mlp=auto or --mlp=eager (or install triton)") from None
+                                f"{instead} (or install triton)") from None
     if not (device.startswith("cuda") or (device == "cpu" and fused_ops.kernels_can_run(torch.empty(0)))):
         raise errors.UsageError(f"{source} runs Triton kernels, which need a CUDA GPU (or TRITON_INTERPRET=1 on the "
-                                f"CPU, very slow), and the device is {device}: use --mlp=auto or --mlp=eager")
+                                f"CPU, very slow), and the device is {device}: {instead}")
 
 
 def check_fp8(fp8, device, dtype=None, setting="--fp8=True", instead="use --fp8=False"):

@@ -1,0 +1,184 @@
+"""The classifier: the LM head and the cross-entropy as one operator, forward and backward.
+
+A GPT's last step turns each of M positions' C features into V logits (x @ W.T, V = 50304 for GPT-2) and takes the
+cross-entropy against the next token. Written as two PyTorch calls it stores the M x V logits (1.2 GB in bf16 at
+12 x 1024 positions), an fp32 copy for the log-softmax, its output, and then the same again for the gradient. Only
+three things are needed: the loss, and the gradients of x and W. And the gradient of the mean loss with respect to
+a logit is known as soon as its row's softmax is: (softmax - one_hot(target)) / n, with n the number of positions
+not ignored. So, llm.c's classifier and Liger's fused linear cross-entropy, in chunks of rows:
+
+1. logits = x_chunk @ W.T, one cuBLAS GEMM into a chunk-sized buffer (in the compute dtype: bf16 under autocast);
+2. one Triton kernel per row (below) reads the row twice: first its running max and sum of exponentials (the
+   log-sum-exp, online as in flash attention), then it writes the gradient of the mean loss over the logits, in
+   place, and the row's loss;
+3. dx_chunk = dlogits @ W and dW += dlogits.T @ x_chunk, two more GEMMs (dW accumulated in fp32).
+
+All of it happens in the forward, where the logits are at hand; the backward only scales dx and dW by the loss's
+incoming gradient (1 in training). The logits never exist at full size, in any dtype: the memory above the inputs
+is one chunk of logits, dx and the fp32 dW. Without grad (evaluation), step 3 is skipped and the kernel writes
+only the losses. `chunk_rows` picks the chunk: about 2^27 logits (256 MiB in bf16), cut into equal chunks.
+
+Targets equal to `ignore_index` (-1, nanoGPT's) count for neither the loss nor n; if every target is ignored the
+mean is 0/0 = NaN, as F.cross_entropy's. A target outside [0, V) that is not ignore_index gives a NaN loss
+(checking it on the host would wait for the GPU every step; F.cross_entropy raises instead).
+
+Special values, by the math: a NaN logit makes its row's loss and gradient NaN; a -inf logit has probability 0
+(exactly); a +inf logit makes the log-sum-exp +inf, so the row's loss is +inf (NaN if the target's own logit is
++inf: inf - inf), and its gradient NaN (the softmax of an infinite logit is not formed by these exponentials).
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .mlp import kernels_can_run
+from .ops import fused_op
+
+CHUNK_LOGITS = 2 ** 27  # logits per chunk (256 MiB in bf16): few enough GEMMs, little memory
+BLOCK_V = 2048  # logits a program reads at a time (its registers hold one block)
+
+
+@triton.jit
+def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, V, ignore_index,
+                          WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: its loss into loss_ptr[row]; with WRITE_GRAD its logits replaced by the mean loss's gradient."""
+    row = tl.program_id(0)
+    ptr = logits_ptr + row.to(tl.int64) * stride
+    acc_dtype = tl.float64 if logits_ptr.dtype.element_ty == tl.float64 else tl.float32
+    neg_inf = float("-inf")
+    # Pass 1: each lane keeps a running max m and sum s of exp(x - m) over the blocks it sees; a lane that has seen
+    # only -inf keeps s = 0 (exp(-inf - -inf) would be NaN). NaN propagates through the max.
+    m = tl.full([BLOCK], neg_inf, acc_dtype)
+    s = tl.zeros([BLOCK], acc_dtype)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(ptr + cols, mask=cols < V, other=neg_inf).to(acc_dtype)
+        m_new = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
+        s = tl.where(m_new == neg_inf, 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
+        m = m_new
+    m_row = tl.where(tl.max((m != m).to(tl.int32), 0) > 0, float("nan"), tl.max(m, 0))  # (tl.max skips NaN)
+    s_row = tl.sum(tl.where(m == neg_inf, 0.0, s * tl.exp(m - m_row)), 0)
+    lse = tl.where(m_row == float("inf"), float("inf"), m_row + tl.log(s_row))
+
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < V)
+    x_target = tl.load(ptr + target, mask=in_range & ~ignored, other=0.0).to(acc_dtype)
+    loss = tl.where(ignored, 0.0, tl.where(in_range, lse - x_target, float("nan")))
+    tl.store(loss_ptr + row, loss)
+    if WRITE_GRAD:
+        # Pass 2 (the row is mostly still in L2): d(mean loss)/d(logit) = (softmax - one_hot(target)) / n
+        scale = 1.0 / tl.load(count_ptr).to(acc_dtype)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < V
+            x = tl.load(ptr + cols, mask=mask, other=0.0).to(acc_dtype)
+            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+            grad = tl.where(lse == float("inf"), float("nan"), grad)  # (a +inf logit: the rule above)
+            grad = tl.where(ignored, 0.0, grad)
+            tl.store(ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def cross_entropy_rows(logits, targets, count, ignore_index, write_grad):
+    """Each row's loss (float32, or float64 for float64 logits); with write_grad the logits are overwritten by the
+    gradient of sum(losses) / count (count: a 0-d tensor on the logits' device, so no host sync)."""
+    M, V = logits.shape
+    loss = torch.empty(M, device=logits.device, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    if M:
+        _cross_entropy_kernel[(M,)](logits, logits.stride(0), targets, loss, count, V, ignore_index,
+                                    WRITE_GRAD=write_grad, BLOCK=min(BLOCK_V, triton.next_power_of_2(V)),
+                                    num_warps=8)
+    return loss
+
+
+def chunk_rows(M, V):
+    """Rows per chunk: about CHUNK_LOGITS logits, the M rows cut into equal chunks."""
+    chunks = max(1, math.ceil(M * V / CHUNK_LOGITS))
+    return max(1, math.ceil(M / chunks))
+
+
+def _accumulate(dw, a, b, first):
+    """dw (fp32) = a @ b, or += a @ b, with the sum kept in fp32 (cuBLAS does it in the GEMM on CUDA)."""
+    if a.dtype == dw.dtype:
+        return torch.mm(a, b, out=dw) if first else dw.addmm_(a, b)
+    if dw.is_cuda:
+        return torch.mm(a, b, out_dtype=dw.dtype, out=dw) if first else \
+            torch.addmm(dw, a, b, out_dtype=dw.dtype, out=dw)
+    product = torch.mm(a, b).to(dw.dtype)  # (the CPU has no mixed-dtype GEMM)
+    return dw.copy_(product) if first else dw.add_(product)
+
+
+@fused_op("linear_cross_entropy")
+def linear_cross_entropy_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, dtype: torch.dtype,
+                            grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean cross-entropy of (x @ weight.T) against targets, and with grad dx and dW of that mean, else empty
+    tensors), the GEMMs in dtype. x: (M, C); weight: (V, C); targets: (M,) integers."""
+    M, V = x.shape[0], weight.shape[0]
+    xc, wc = x.to(dtype), weight.to(dtype)
+    count = (targets != ignore_index).sum()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    losses = []
+    dx = torch.empty_like(xc) if grad else x.new_empty(0)
+    dw = torch.empty(weight.shape, device=weight.device, dtype=acc) if grad else x.new_empty(0)
+    rows = chunk_rows(M, V)
+    buffer = torch.empty((min(rows, M), V), device=x.device, dtype=dtype)
+    for start in range(0, M, rows):
+        xs = xc[start:start + rows]
+        logits = torch.mm(xs, wc.t(), out=buffer[:xs.shape[0]])
+        losses.append(cross_entropy_rows(logits, targets[start:start + rows], count, ignore_index, grad))
+        if grad:  # logits now hold d(mean loss)/d(logits)
+            torch.mm(logits, wc, out=dx[start:start + rows])
+            _accumulate(dw, logits.t(), xs, first=start == 0)
+    loss = torch.cat(losses).sum() / count if losses else x.new_full((), float("nan"), dtype=acc)
+    if grad:
+        return loss, dx.to(x.dtype), dw.to(weight.dtype)
+    return loss, dx, dw
+
+
+@linear_cross_entropy_op.register_fake
+def _(x, weight, targets, ignore_index, dtype, grad):
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return (x.new_empty((), dtype=acc), x.new_empty(x.shape) if grad else x.new_empty(0),
+            weight.new_empty(weight.shape) if grad else x.new_empty(0))
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """The forward computes the loss and, while the logits are at hand, dx and dW; the backward scales them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, ignore_index, dtype):
+        loss, dx, dw = linear_cross_entropy_op(x, weight, targets, ignore_index, dtype, True)
+        ctx.save_for_backward(dx, dw)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dx, dw = ctx.saved_tensors
+        return (dx * grad_loss.to(dx.dtype) if ctx.needs_input_grad[0] else None,
+                dw * grad_loss.to(dw.dtype) if ctx.needs_input_grad[1] else None, None, None, None)
+
+
+def linear_cross_entropy(x, weight, targets, ignore_index=-1):
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=ignore_index) (the mean over targets not ignored), without
+    storing the logits. x: (..., C); weight: (V, C); targets: x's leading shape. Under autocast the GEMMs run in
+    autocast's dtype, as nn.Linear's would; x and weight keep their dtypes, and so do their gradients."""
+    if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"weight must be (vocab, {x.shape[-1]}) for x of shape {tuple(x.shape)}, got "
+                         f"{tuple(weight.shape)}")
+    if targets.shape != x.shape[:-1] or targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be integers of shape {tuple(x.shape[:-1])}, got {targets.dtype} of shape "
+                         f"{tuple(targets.shape)}")
+    if not kernels_can_run(x) or x.device != weight.device or x.device != targets.device:
+        raise ValueError(f"the fused classifier needs x, weight and targets on one CUDA device (or the CPU under "
+                         f"TRITON_INTERPRET=1), got {x.device}, {weight.device}, {targets.device}")
+    autocast = torch.is_autocast_enabled(x.device.type)
+    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    x2, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1).contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        loss = LinearCrossEntropyFunction.apply(x2, weight, t, ignore_index, dtype)
+    else:
+        loss = linear_cross_entropy_op(x2, weight, t, ignore_index, dtype, False)[0]
+    return loss if autocast else loss.to(dtype)  # the dtype F.cross_entropy's loss has (fp32 under autocast)
