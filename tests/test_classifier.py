@@ -192,6 +192,22 @@ def test_compiles_with_fullgraph(small_chunks):
         assert torch.equal(a, b)
 
 
+def test_bench_classifier_says_what_it_needs(capsys):
+    """bench_classifier.py: one line naming --shapes when it cannot parse them, and one line without a GPU."""
+    import bench_classifier
+    from helpers import errors
+    assert errors.run_main("bench_classifier.py", bench_classifier.main, ["--shapes=12288x768"]) == 2 or \
+        not torch.cuda.is_available()
+    err = capsys.readouterr().err
+    if torch.cuda.is_available():
+        assert "--shapes='12288x768'" in err
+    else:
+        assert errors.run_main("bench_classifier.py", bench_classifier.main, []) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        bench_classifier.main(["--shape=1x2x3"])  # no prefix matching of option names
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M,C,V", [(1024, 768, 50304), (333, 64, 1001)])

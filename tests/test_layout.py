@@ -8,7 +8,7 @@ import glob
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = {"train", "sample", "prepare", "export", "bench", "bench_mlp"}
+SCRIPTS = {"train", "sample", "prepare", "export", "bench", "bench_mlp", "bench_classifier"}
 MAX_TOP_LEVEL = 8
 MAX_LINES = 500
 LONG_ALLOWED = {"fused_ops/hopper/pingpong.py"}  # the Gluon kernel: one warp-specialized kernel, read as a whole
