@@ -3,8 +3,7 @@ End-to-end training throughput: mlp="eager" vs mlp="fused", each with and withou
 
     python bench.py configs/gpt2_124m.py                       # GPU: full training steps, bf16
     python bench.py configs/gpt2_124m.py --activation=swiglu --steps=30
-    python bench.py configs/shakespeare_char_cpu.py --device=cpu --mlps=eager --compile=False --steps=3
-    (on CPU the fused kernels run only under the interpreter: TRITON_INTERPRET=1, slow)
+    python bench.py configs/shakespeare_char_cpu.py --device=cpu --mlps=eager --compile=False --steps=3  # (CPU: no kernels)
     python bench.py --mlp_widths=768,1024,2048,4096             # GPU: the MLP alone, gelu and swiglu
     TRITON_INTERPRET=1 python bench.py --mlp_widths=32,64 --mlp_tokens=32,32 --device=cpu --compile=False
 
@@ -13,8 +12,8 @@ steps must agree across variants; they are printed next to the timings. A step i
 update over gradient_accumulation_steps micro-batches. Reported: median ms/step after warm-up, tokens/s, MFU against
 the GPU's peak bf16 rate, peak GPU memory of the timed steps (allocated, and reserved: CUDA graphs' private pools
 count only there). Writes JSON, CSV and a PNG bar chart to --out (default results/bench_<config>.*). --compile also
-takes a torch.compile mode (--compile=True,reduce-overhead). --mlps=fp8 adds the fused MLP with FP8 GEMMs
-(fused_ops/fp8/), --mlps=torchao the eager MLP through torchao's float8 training (where installed; compile it).
+takes a torch.compile mode. --mlps=fp8 adds the fused MLP with FP8 GEMMs (fused_ops/fp8/), --mlps=torchao the eager
+MLP through torchao's float8 training (where installed); +cls (fused+cls) adds the fused classifier to a variant.
 
 Variants run one after another by default, and the first of a process can run slower whatever it is (measured:
 results/bench_gpt2_124m_uncompiled_orders_h100.txt). --rounds=N builds them all first, then times them in N rounds of
@@ -69,8 +68,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     ap.add_argument("--mlps", default="eager,fused",
-                    help="of eager, fused, auto, fp8 (fused in FP8), torchao (the eager "
-                         "MLP's Linears through torchao's float8 training, where torchao is installed)")
+                    help="of eager, fused, auto, fp8 (fused in FP8), torchao (the eager MLP's Linears through "
+                         "torchao's float8 training, where installed); +cls adds the fused classifier (fused+cls)")
     ap.add_argument("--compile", default="False,True",
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
                          "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
@@ -100,7 +99,7 @@ def parse_args(argv=None):
     if args.dtype not in (None, "bfloat16", "float16", "float32"):
         raise errors.UsageError(f"--dtype={args.dtype}: expected bfloat16, float16 or float32")
     dtype, mlps = str(pick_dtype(args)).removeprefix("torch."), args.mlps.split(",")
-    for mlp in mlps:  # every variant checked before the first one is timed
+    for mlp in (m.removesuffix("+cls") for m in mlps):  # every variant checked before the first one is timed
         if mlp not in MLPS:
             raise errors.UsageError(f"--mlps={args.mlps}: {mlp!r} is not one of {', '.join(MLPS)}")
         runtime.check_interpreter_dtype("fused" if mlp == "fp8" else mlp, args.device, dtype, f"--mlps={mlp}")
@@ -159,9 +158,10 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     """(model, step): the model built from `state` for one variant, and step(i), one training step on
     batches[i % len(batches)] that returns the last micro-batch's loss tensor (no synchronization)."""
     torch.manual_seed(0)
+    mlp, classifier = mlp.removesuffix("+cls"), "fused" if mlp.endswith("+cls") else "eager"
     fp8 = mlp == "fp8"  # the fused MLP with its GEMMs in FP8 (fused_ops/fp8.py)
     kind = "fused" if fp8 else "eager" if mlp == "torchao" else mlp
-    model = GPT(GPTConfig(mlp=kind, fp8=fp8, dropout=0.0, **model_args)).to(args.device)
+    model = GPT(GPTConfig(mlp=kind, fp8=fp8, dropout=0.0, classifier=classifier, **model_args)).to(args.device)
     model.load_state_dict(state)
     if mlp == "torchao":
         torchao_float8_mlps(model)

@@ -246,3 +246,15 @@ def test_the_gpt_in_every_compile_mode_on_the_gpu(mode):
             opt.zero_grad(set_to_none=True)
             losses[name].append(loss.item())
     assert losses["fused"] == pytest.approx(losses["eager"], rel=2e-2), losses
+
+
+def test_bench_variants_with_the_fused_classifier(tmp_path):
+    """bench.py's +cls variants: the same first losses as without the fused classifier (same weights and batches)."""
+    import bench
+    cfg = tmp_path / "tiny.py"
+    cfg.write_text("n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 16\nbatch_size = 2\n"
+                   "dataset = 'shakespeare_char'\n")
+    rows = bench.main([str(cfg), f"--device={DEVICE}", "--dtype=float32", "--compile=False", "--warmup=1", "--steps=2",
+                       "--mlps=eager,eager+cls", f"--out={tmp_path / 'b'}"])
+    assert [r["mlp"] for r in rows] == ["eager", "eager+cls"]
+    assert rows[1]["first_losses"] == pytest.approx(rows[0]["first_losses"], rel=1e-5)
