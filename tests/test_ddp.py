@@ -28,8 +28,9 @@ STEPS, BATCH = 4, 4
 
 
 def train(variant, rank=0, world=1):
-    """(losses averaged over the processes, each block's FP8 scales or None) of STEPS SGD steps of a 2-layer GPT,
-    this process taking its share of every batch, under fp16 autocast (the interpreter's bf16 dots are wrong)."""
+    """(losses averaged over the processes, each block's FP8 scales or None, {"local": this process's own losses,
+    "params": its parameters after the steps}) of STEPS SGD steps of a 2-layer GPT, this process taking its share of
+    every batch, under fp16 autocast (the interpreter's bf16 dots are wrong)."""
     fp8, graphs, compiled = variant.startswith("fp8"), variant.endswith("graphs"), variant.endswith("compiled")
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=fp8,
@@ -45,7 +46,7 @@ def train(variant, rank=0, world=1):
             torch._dynamo.reset()
             model = torch.compile(model, backend="aot_eager")
         opt = torch.optim.SGD(gpt.parameters(), lr=0.5)
-        losses = []
+        losses, local = [], []
         for step in range(STEPS):
             runtime.zero_grads(model, opt, False)
             x = torch.randint(0, 64, (BATCH, 16), generator=torch.Generator().manual_seed(step))
@@ -55,6 +56,7 @@ def train(variant, rank=0, world=1):
             loss.backward()
             opt.step()
             loss = loss.detach().float()
+            local.append(loss.item())
             if world > 1:
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG)
             losses.append(loss.item())
@@ -66,7 +68,17 @@ def train(variant, rank=0, world=1):
     if compiled:  # forward and backward replayed from the third step on (calibration, kernels, then captured)
         replays = [[g.replays for g in b.mlp.fp8.op_graphs.graphs.values()] for b in gpt.transformer.h]
         assert replays == [[STEPS - 2] * 2] * len(gpt.transformer.h), replays
-    return losses, [b.mlp.fp8.scale.clone() for b in gpt.transformer.h] if fp8 else None
+    return (losses, [b.mlp.fp8.scale.clone() for b in gpt.transformer.h] if fp8 else None,
+            {"local": local, "params": [p.detach().clone() for p in gpt.parameters()]})
+
+
+def assert_ranks_in_step(two_processes, variant):
+    """The two processes trained on different halves of each batch (their own losses differ) and DDP averaged their
+    gradients (their parameters stay the same, bit for bit: the same averaged gradient, the same SGD update). A
+    gradient that skipped DDP's hooks would leave each process with its own parameters."""
+    a, b = (two_processes[rank][variant][2] for rank in range(2))
+    assert a["local"] != b["local"], variant
+    assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])), variant
 
 
 def _worker(rank, world, port, out):
@@ -90,13 +102,15 @@ def two_processes(tmp_path_factory):
 def test_fused_mlp_under_ddp_gives_one_process_losses_with_and_without_graphs(two_processes):
     one = train("fused")[0]
     for variant in ("fused", "fused_graphs"):
+        assert_ranks_in_step(two_processes, variant)
         assert two_processes[0][variant][0] == pytest.approx(one, rel=1e-4), variant
-        assert two_processes[0][variant][0] == two_processes[1][variant][0]  # (the all-reduced loss)
     assert two_processes[0]["fused_graphs"][0] == two_processes[0]["fused"][0]  # the graphs path is the plain path
 
 
 def test_fp8_under_ddp_follows_one_process_within_the_fp8_rule(two_processes):
     one_fp8, one_fused = train("fp8")[0], train("fused")[0]
+    for variant in ("fp8", "fp8_graphs", "fp8_compiled"):
+        assert_ranks_in_step(two_processes, variant)
     for variant in ("fp8", "fp8_graphs"):
         ddp = two_processes[0][variant][0]
         for a, b, ref in zip(ddp, one_fp8, one_fused):

@@ -372,9 +372,23 @@ def test_a_failed_capture_falls_back_with_one_warning(monkeypatch):
 
 
 def test_a_deep_copy_of_the_model_recaptures():
-    g, *_ = graphed_layer()
-    g.seen.add("key")
-    assert copy.deepcopy(g).seen == set() and copy.deepcopy(g).captured == {}
+    """A copy of a layer that has captured a graph starts with none (a graph cannot be copied: its buffers and
+    memory pool are the original's), and captures its own on its second call."""
+    g, mods, params, call = graphed_layer()
+    x = torch.randn(4, 16)
+    for _ in range(2):  # first sight, then the capture
+        call(x.clone().requires_grad_()).sum().backward()
+    assert len(g.captured) == 1 and g.seen
+    copied = copy.deepcopy(g)
+    assert copied.seen == set() and copied.captured == {}
+    assert len(g.captured) == 1  # the original keeps its own
+    fn, _ = layers_as_function(mods[0], mods[1], "gelu", mods[2])
+    for _ in range(2):
+        y = copied(fn, x.clone().requires_grad_(), params)
+        y.sum().backward()
+    (theirs,), (ours,) = copied.captured.values(), g.captured.values()
+    assert theirs is not ours and theirs.x.data_ptr() != ours.x.data_ptr()
+    torch.testing.assert_close(y, fused_mlp_layers(x, mods[0], mods[1], "gelu", mods[2]))
 
 
 # --- on the GPU, real CUDA graphs ---

@@ -504,8 +504,10 @@ def test_gated_fp8_inputs(op, bias):
         z = dequantized(a8, inv[0]) @ dequantized(w8, inv[1]).t() + (0 if b is None else b.double())
         gate, up = z[:, :N], z[:, N:]
         silu = torch.nn.functional.silu
+        sig = torch.sigmoid(gate)
         assert_near(h, silu(gate) * up)
-        assert_near(saved[:, N:], silu(gate))
+        assert_near(saved[:, :N], up * sig * (1 + gate * (1 - sig)))  # dh/dgate = up · silu'(gate)
+        assert_near(saved[:, N:], silu(gate))  # dh/dup = silu(gate)
     else:
         w2 = (torch.randn(K, N, device="cuda", generator=g) / K ** 0.5).bfloat16()
         saved = torch.rand(M, 2 * N, device="cuda", generator=g).bfloat16()

@@ -43,11 +43,22 @@ def test_only_a_fused_mlp_on_a_gpu_starts_a_child(monkeypatch):
 
 
 @pytest.mark.parametrize("fuse_ln", [False, True])
-def test_the_child_runs_the_three_kernels_paths(fuse_ln):
-    """In-process (the interpreter on CPU): no_grad forward, then forward + backward, all finite."""
+def test_the_child_runs_the_three_kernels_paths(fuse_ln, monkeypatch):
+    """In-process (the interpreter on CPU): the no_grad forward (the kernel that saves nothing), then the forward that
+    saves dh/dz and its dgrad, each launched through fused_ops.tuning (the LayerNorm folded into both forwards with
+    fuse_ln), in that order: the kernels the run will load, not an eager fallback. The gradient is finite."""
     if not kernels_run_here():
         pytest.skip("the kernels cannot run here")
+    from fused_ops import tuning
+    launched, launch = [], tuning._jit_launch
+
+    def recording(kernel, grid, args, constexprs, cfg):
+        name = kernel.fn.__name__
+        launched.append((name, constexprs["SAVE"], constexprs["LN_FOLD"]) if name == "linear_act_kernel" else (name,))
+        return launch(kernel, grid, args, constexprs, cfg)
+    monkeypatch.setattr(tuning, "_jit_launch", recording)
     grad = precompile.compile_kernels({**SPEC, "fuse_ln": fuse_ln}, "cpu")
+    assert launched == [("linear_act_kernel", False, fuse_ln), ("linear_act_kernel", True, fuse_ln), ("dgrad_kernel",)]
     assert grad.shape == (24, 16) and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 

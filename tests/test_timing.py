@@ -9,7 +9,7 @@ import torch
 import fused_ops
 from helpers import timing
 import train
-from test_train import TINY, dataset  # noqa: F401 (dataset: test_train's fixture, the tiny char dataset)
+from test_train import TINY, dataset, read_log  # noqa: F401 (dataset: test_train's fixture, the tiny char dataset)
 
 
 def test_train_prints_where_start_up_went(dataset, tmp_path, capsys):
@@ -29,14 +29,22 @@ def test_train_prints_where_start_up_went(dataset, tmp_path, capsys):
     assert 0 < s["first steps"] < 60
     assert "compile" not in s  # nothing was compiled (compile=False)
     evals = re.findall(r"iter (\d+): train loss \d\.\d{4}, val loss \d\.\d{4} \((\d+\.\d\d) s\)", out)
-    # each eval's time is printed (a tiny one on a fast CPU prints 0.00 s: only its presence is machine-independent)
-    assert [int(i) for i, _ in evals] == [0, 6, 12] and all(float(t) >= 0 for _, t in evals)
+    # each eval's time is printed, and the printed times (rounded to 0.01 s each) add up to the evals' total
+    assert [int(i) for i, _ in evals] == [0, 6, 12]
+    assert abs(sum(float(t) for _, t in evals) - s["evals"]) <= 0.005 * len(evals) + 1e-9, (evals, s["evals"])
+    # the steps' times in log.jsonl are the ones the timer adds up (start-up line: the first 3, to 0.1 s)
+    step_ms = [r["ms"] for r in read_log(str(tmp_path / "out")) if r["type"] == "step"]
+    assert len(step_ms) == 12 and abs(sum(step_ms[:3]) / 1000 - s["first steps"]) < 1e-6, (step_ms, s)
+    first = re.search(r"first 3 steps (\d+\.\d) s", line)
+    assert abs(float(first[1]) - s["first steps"]) <= 0.05 + 1e-9, line
     # and once at the end, the whole run: its parts add up to its time (the rest is the loop's bookkeeping)
     runs = re.findall(r"^run (\d+\.\d) s: data \d+\.\d s, model \d+\.\d s, 12 steps (\d+\.\d) s \(median "
                       r"\d+\.\d ms\), 3 evals (\d+\.\d) s, (\d+) checkpoints (\d+\.\d) s, the rest (\d+\.\d) s$", out, re.M)
     assert len(runs) == 1, out
     total, steps, evals_s, n_ckpt, ckpt_s, rest = map(float, runs[0])
-    assert n_ckpt == 3 and steps >= 0  # always_save_checkpoint: one per eval (steps: printed to 0.1 s, may read 0.0)
+    assert n_ckpt == 3  # always_save_checkpoint: one per eval
+    # the run's steps and evals: the sums of what each step logged and each eval printed (to 0.1 s)
+    assert abs(steps - sum(step_ms) / 1000) <= 0.05 + 1e-9 and abs(evals_s - s["evals"]) <= 0.05 + 1e-9, (runs, s)
     assert total >= s["to first step"] and abs(s["data"] + s["model"] + steps + evals_s + ckpt_s + rest - total) < 0.5
 
 

@@ -31,15 +31,20 @@ def test_specialization_is_at_least_as_fine_as_tritons():
     """Two argument values that _specialization cannot tell apart must be ones the installed Triton compiles
     alike too (its own per-argument rule, native_specialize_impl): else a kept kernel could be reused for
     arguments it was not compiled for. Checked against whichever Triton is installed, so a new Triton with
-    new rules fails here before it gives a wrong result on a GPU."""
+    new rules fails here before it gives a wrong result on a GPU. A Triton whose rule cannot be read here (the
+    internal API moved or changed its signature) fails too, never skips: _specialization is then unchecked against
+    it, and its rules may have changed with the API (update this test and _specialization together)."""
+    import triton
     try:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
 
-        triton_spec = lambda a: native_specialize_impl(BaseBackend, a, False, True, True)
+        triton_spec = lambda a: native_specialize_impl(BaseBackend, a, False, True, True)  # noqa: E731
         triton_spec(1)
-    except (ImportError, TypeError, AttributeError) as e:  # an internal API that moved: nothing to compare with
-        pytest.skip(f"this Triton does not expose native_specialize_impl as 3.6-3.9 do: {e}")
+    except (ImportError, TypeError, AttributeError) as e:
+        pytest.fail(f"Triton {triton.__version__} does not expose native_specialize_impl as 3.6-3.9 do ({e!r}): "
+                    "its specialization rule cannot be compared with tuning._specialization; read the new rule and "
+                    "update both")
     base = torch.zeros(256, dtype=torch.float16)
     values = [base[:16], base[1:17], base[8:24], base[4:20], base.float()[:16], base.float()[1:17],
               base.to(torch.bfloat16)[:16], 0, 1, 2, 8, 15, 16, 17, 32, 768, 12288, -16, -1, 2 ** 31 - 16,
