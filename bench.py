@@ -11,7 +11,8 @@ Each variant starts from the same weights and sees the same batches (random toke
 steps must agree across variants; they are printed next to the timings. A step is forward, backward and the AdamW
 update over gradient_accumulation_steps micro-batches. Reported: median ms/step after warm-up, tokens/s, MFU against
 the GPU's peak bf16 rate, peak GPU memory of the timed steps (allocated, and reserved: CUDA graphs' private pools
-count only there). Writes JSON, CSV and a PNG bar chart to --out (default results/bench_<config>.*). --compile also
+count only there). Writes JSON, CSV and a PNG bar chart to --out (default out-bench/bench_<config>.*: results/ holds
+the measurements the docs cite, and a run goes there only when asked, --out=results/...). --compile also
 takes a torch.compile mode. --mlps=fp8 adds the fused MLP with FP8 GEMMs (fused_ops/fp8/), --mlps=torchao the eager
 MLP through torchao's float8 training (where installed); +cls (fused+cls) adds the fused classifier to a variant.
 
@@ -30,10 +31,9 @@ micro-batch (DDP inside torch.compile, as train.py), and prints tokens/s per GPU
 and torch.compile (of eager), forward and forward+backward ms and % of the matmul floor (the MLP's matmul FLOPs at the
 bf16 matmul peak measured in the same run; 100% = at the floor); on a GPU also forward+backward replayed as one CUDA
 graph, the GPU time without the host's launch costs. Tokens M per width: 12288 for 768, 16384 for 1024, 8192 above
-(--mlp_tokens to change). Default out: results/bench_mlp_widths.*
+(--mlp_tokens to change). Default out: out-bench/bench_mlp_widths.*
 """
 
-import argparse
 import contextlib
 import csv
 import gc
@@ -55,17 +55,18 @@ from helpers import errors, runtime
 from model import GPT, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")
+OUT_DIR = "out-bench"  # a user's own runs: untracked (.gitignore's out*/), where results/ is the docs' record
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = errors.ArgumentParser("bench.py", description=__doc__)
     ap.add_argument("config", nargs="?", help="a config file from configs/ (model size, batch size)")
-    ap.add_argument("--batch_size", type=int)
-    ap.add_argument("--block_size", type=int)
+    ap.add_argument("--batch_size", type=int, help="default: the config's")
+    ap.add_argument("--block_size", type=int, help="default: the config's")
     ap.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
-    ap.add_argument("--activation")
+    ap.add_argument("--activation", help="default: the config's")
     ap.add_argument("--vocab_size", type=int, default=None, help="default: 50304 for BPE configs, else 256")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda, cuda:1 or cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     ap.add_argument("--mlps", default="eager,fused",
                     help="of eager, fused, auto, fp8 (fused in FP8), torchao (the eager MLP's Linears through "
@@ -73,18 +74,18 @@ def parse_args(argv=None):
     ap.add_argument("--compile", default="False,True",
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
                          "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (per round, with --rounds)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="> 1: build every variant first, then time them in this many rounds, alternating their order")
-    ap.add_argument("--out", default=None, help="output path without extension")
+    ap.add_argument("--out", default=None, help=f"output path without extension (default: {OUT_DIR}/bench_<config>)")
     ap.add_argument("--bucket_mb", type=float, default=runtime.BUCKET_MB, help="DDP's gradient bucket size (torchrun)")
     ap.add_argument("--gpus", default=None,
                     help="e.g. 1,2,4: run under torchrun on that many GPUs of this host, one count after another "
                          "(with --device=cpu: that many processes, over Gloo)")
     ap.add_argument("--mlp_widths", default=None, help="time the MLP alone at these widths C, e.g. 768,1024,2048,4096")
     ap.add_argument("--mlp_tokens", default=None, help="tokens M per width (default: bench_mlp.DEFAULT_TOKENS)")
-    ap.add_argument("--mlp_activations", default="gelu,swiglu")
+    ap.add_argument("--mlp_activations", default="gelu,swiglu", help="with --mlp_widths")
     bench_mlp.add_backward_thread_arg(ap)
     args = ap.parse_args(argv)
     if not args.config and not args.mlp_widths:
@@ -315,7 +316,7 @@ def several_gpus(args, argv):
     """--gpus: the benchmark under torchrun on each GPU count in turn (same per-GPU micro-batch), then one table of
     tokens/s per GPU, each count's against the first's (its spread: the per-round medians' range)."""
     counts = [int(n) for n in args.gpus.split(",")]
-    out = args.out or os.path.join("results", "bench_" + os.path.splitext(os.path.basename(args.config))[0] + "_gpus")
+    out = args.out or os.path.join(OUT_DIR, "bench_" + os.path.splitext(os.path.basename(args.config))[0] + "_gpus")
     runs, rest, skip = {}, [], False
     for a in argv:  # the same arguments, less --gpus and --out (given as --gpus=N or --gpus N)
         if not skip and not a.startswith(("--gpus", "--out")):
@@ -349,6 +350,7 @@ def several_gpus(args, argv):
     for r in rows:
         print(f"{label(r):<26}{r['gpus']:>5}{r['ms_per_step']:9.1f}{r['tokens_per_s_per_gpu']:11,.0f}"
               f"{r['per_gpu_min']:10,.0f}-{r['per_gpu_max']:<8,.0f}{r['vs_first']:7.1%}{r['vs_eager']:8.2f}x")
+    print(wrote(out, ".json", ".csv"))
     return rows
 
 
@@ -368,7 +370,7 @@ def run(args):
     if not master:
         return rows  # (rank 0 writes and prints)
     name = os.path.splitext(os.path.basename(args.config))[0] + (f"_{args.activation}" if args.activation else "")
-    out = args.out or os.path.join("results", f"bench_{name}")
+    out = args.out or os.path.join(OUT_DIR, f"bench_{name}")
     env = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype),
            "model": model_args, "batch_size": batch_size, "grad_accum": args.grad_accum, "steps": args.steps,
@@ -388,6 +390,7 @@ def run(args):
               f"{base['ms_per_step'] / r['ms_per_step']:8.2f}x{mfu:>7}{mem:>9}{rsv:>9}{r['to_first_step_s']:11.1f}  "
               + " ".join(f"{l:.4f}" for l in r["first_losses"])
               + ("   " + " ".join(f"{m:.1f}" for m in r["round_ms"]) if r["round_ms"] else ""))
+    print(wrote(out, ".json", ".csv", ".png"))
     return rows
 
 
@@ -438,7 +441,7 @@ def mlp_widths(args):
                          # the case's check (fused vs float64, vs eager's error), the same on each of its rows
                          "correct": r["correct"], "fwd_fused_vs_eager": r["fwd_fused_vs_eager"]})
 
-    out = args.out or os.path.join("results", "bench_mlp_widths")
+    out = args.out or os.path.join(OUT_DIR, "bench_mlp_widths")
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     env = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype), "matmul_tflops": tflops, "copy_gbps": gbps,
@@ -453,6 +456,7 @@ def mlp_widths(args):
         print(f"{r['activation'] + ' C=' + str(r['C']) + ' M=' + str(r['M']):<24}{r['path']:<9}{r['fwd_ms']:9.3f}"
               f"{r['fwd_pct_floor']:6.0f}%{r['fwdbwd_ms']:11.3f}{r['fwdbwd_pct_floor']:6.0f}%{graphed:>9}"
               f"  {r['correct']}")
+    print(wrote(out, ".json", ".csv", ".png"))
     return rows
 
 
@@ -464,6 +468,11 @@ def write(rows, env, out):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+
+
+def wrote(out, *extensions):
+    """The line that names the files a run wrote."""
+    return f"wrote {', '.join(out + e for e in extensions)}"
 
 
 def plot_widths(rows, path, title):

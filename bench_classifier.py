@@ -8,7 +8,6 @@ the inputs, for eager PyTorch (the cross-entropy in fp32, as under autocast), to
     python bench_classifier.py [--shapes=12288x768x50304,8192x2048x128256] [--rounds=4] [--out=FILE.json]
 """
 
-import argparse
 import json
 import statistics
 
@@ -100,11 +99,10 @@ def bench_shape(M, C, V, rounds, repeats):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="bench_classifier.py", description=__doc__.strip().splitlines()[0],
-                                allow_abbrev=False)
+    p = errors.ArgumentParser("bench_classifier.py", description=__doc__.strip().splitlines()[0])
     p.add_argument("--shapes", default="12288x768x50304,8192x2048x128256", help="MxCxV, comma-separated")
-    p.add_argument("--rounds", type=int, default=4, help="rounds, the variants' order alternated (default 4)")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls per variant and round (default 10)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds, the variants' order alternated")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per variant and round")
     p.add_argument("--out", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

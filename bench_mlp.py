@@ -2,7 +2,7 @@
 with FP8 tensor cores) the FP8 fused MLP against the bf16 one and torchao's float8 training (where installed).
 
     python bench_mlp.py                      # GPT-2 small MLP (M=12288, C=768), gelu and swiglu, bf16
-    python bench_mlp.py --widths 768,1024,2048,4096 --out results/mlp.json
+    python bench_mlp.py --widths 768,1024,2048,4096 --out results/mlp.json    # default: out-bench/mlp.json
 
 Every number is a median of triton.testing.do_bench on random data, all measured in one run: of each
 call as the host issues it, and of forward + backward replayed as one CUDA graph (the GPU time). The floor
@@ -32,6 +32,7 @@ from tests.numerics import EPS, rel_err
 
 DTYPE = torch.bfloat16
 DEFAULT_TOKENS = {768: 12288, 1024: 16384, 2048: 8192, 4096: 8192}  # M per width C (others: 8192)
+DEFAULT_OUT = "out-bench/mlp.json"  # untracked (.gitignore's out*/), as bench.py's
 
 
 def add_backward_thread_arg(ap):
@@ -254,19 +255,19 @@ def check_can_run(args):
     if args.tokens and len(args.tokens) != len(args.widths):
         raise errors.UsageError(f"--tokens gives {len(args.tokens)} values for {len(args.widths)} --widths: one per width")
     folder = os.path.dirname(args.out) or "."
-    if not os.path.isdir(folder):
+    if not os.path.isdir(folder) and args.out != DEFAULT_OUT:  # (the default's folder is made)
         raise errors.UsageError(f"--out={args.out}: folder {folder} does not exist")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = errors.ArgumentParser("bench_mlp.py", description=__doc__)
     ap.add_argument("--widths", default=[768], type=int_list, help="comma-separated model widths C")
     ap.add_argument("--tokens", default=None, type=int_list,
                     help="comma-separated M per width (default 12288 for 768, else 16384/8192)")
-    ap.add_argument("--activations", default="gelu,swiglu")
+    ap.add_argument("--activations", default="gelu,swiglu", help="comma-separated")
     ap.add_argument("--bias", default=True, type=true_or_false,
                     help="the MLP's linears with biases (True, GPT-2's) or without (False, issue 29's measurements)")
-    ap.add_argument("--out", default="results/mlp.json")
+    ap.add_argument("--out", default=DEFAULT_OUT, help="the JSON file to write (results/ holds the docs' record)")
     add_backward_thread_arg(ap)
     args = ap.parse_args(argv)
     check_can_run(args)
@@ -295,6 +296,7 @@ def report(args, widths, tokens):
            "backward_thread": args.backward_thread, "bias": args.bias,
            "first_call_seconds": compile_times,
            "tuned": [[name, str(key[:3]), cfg.kwargs, cfg.num_warps, cfg.num_stages, sec] for name, key, cfg, sec in TUNING_LOG]}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
 
@@ -332,6 +334,7 @@ def report(args, widths, tokens):
                   f"{r.get('max_rel_err_torchao', float('nan')):9.2e}")
     print("fwd ms: " + "  ".join(f"{r['activation']} C={r['C']}: eager {r['eager_fwd_ms']:.3f} compile "
                                  f"{r['compile_fwd_ms']:.3f} fused {r['fused_fwd_ms']:.3f}" for r in rows))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Ctrl-C (status 130) or SIGTERM (status 143) stops it cleanly: the temporary file
 --out_dir is left as it was, and the worker processes exit (on Linux they die with the main process even when
 it is killed outright). A stopped or failed run cannot resume: the next one starts over.
 """
-import argparse
 import contextlib
 import os
 import signal
@@ -50,16 +49,16 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Prepare a dataset: train.bin, val.bin, meta.json.")
+    p = errors.ArgumentParser("prepare.py", description=__doc__)
     p.add_argument("--dataset", choices=sorted(data.DATASETS), help="a known, offline dataset")
     p.add_argument("--source", help="a text file; a directory or glob of .txt (a file is a document) or of "
                                     ".jsonl/.json/.parquet/.csv files; or hf:<dataset name>")
-    p.add_argument("--tokenizer", choices=("char", "gpt2"), default="char")
+    p.add_argument("--tokenizer", choices=("char", "gpt2"), default="char", help="of --source")
     p.add_argument("--out_dir", help="default: <data_root>/<dataset>")
-    p.add_argument("--data_root", default="data")
+    p.add_argument("--data_root", default="data", help="where --dataset is written")
     p.add_argument("--text_column", default="text", help="the text of .jsonl/.json/.parquet/.csv and hf: rows")
     p.add_argument("--hf_config", default=None, help="configuration (subset) of an hf: dataset")
-    p.add_argument("--hf_split", default="train")
+    p.add_argument("--hf_split", default="train", help="split of an hf: dataset")
     p.add_argument("--streaming", action="store_true",
                    help="stream an hf: dataset instead of downloading it into the datasets cache first")
     p.add_argument("--val_fraction", type=float, default=0.1,

@@ -11,7 +11,6 @@ GPT-2 checkpoints use GPT-2's BPE.
 A checkpoint trained with any mlp setting loads into any other (--mlp); the parameters are the same.
 """
 
-import argparse
 import sys
 
 import torch
@@ -28,20 +27,21 @@ def load_pretrained(init_from, device="cpu", mlp=None):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = errors.ArgumentParser("sample.py", description=__doc__)
     p.add_argument("--init_from", default="resume", help="resume (out_dir/ckpt.pt), a GPT-2 name (gpt2, "
                    "gpt2-medium, gpt2-large, gpt2-xl: from the Hugging Face cache, downloaded when online) or a "
                    "folder with a Hugging Face GPT-2 checkpoint")
     p.add_argument("--out_dir", default="out", help="folder holding ckpt.pt (with --init_from=resume)")
     p.add_argument("--start", default=None, help="prompt text, or FILE:path to read it from a file (default: a "
                    "newline, or the first token of a vocabulary without one)")
-    p.add_argument("--num_samples", type=int, default=3)
-    p.add_argument("--max_new_tokens", type=int, default=500)
+    p.add_argument("--num_samples", type=int, default=3, help="samples to print")
+    p.add_argument("--max_new_tokens", type=int, default=500, help="tokens to generate per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="< 1 is more conservative, > 1 more random")
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens; 0 for all, 1 is greedy")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, default=1337, help="of the sampling")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, mps")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on GPUs that have it, else float32")
     p.add_argument("--mlp", default=None, choices=["eager", "fused", "auto"], help="override the checkpoint's MLP kind")
     p.add_argument("--no_kv_cache", action="store_true", help="recompute the whole context every step (slower)")
     return p.parse_args(argv)

@@ -7,8 +7,9 @@ Train a GPT (model.py) on a prepared dataset (prepare.py): one process, or many 
     python train.py --dataset=shakespeare --init_from=gpt2 --learning_rate=3e-5 --max_iters=20  # fine-tune GPT-2
 
 Settings: DEFAULTS in helpers/config.py, overridden by config files, then by --key=value (checked there too).
-Writes out_dir/ckpt.pt (helpers/checkpoint.py), out_dir/log.jsonl and loss.png (helpers/runlog.py). Ctrl-C or
-SIGTERM stops at the end of the step, saves, and prints the command that resumes (helpers/stopping.py).
+Writes out_dir/ckpt.pt and ckpt.pt.prev, the one before it (helpers/checkpoint.py), out_dir/log.jsonl and loss.png
+(helpers/runlog.py). Ctrl-C or SIGTERM stops at the end of the step, saves, and prints the command that resumes
+(helpers/stopping.py).
 
 Read main() and train(): they are the whole story, in nanoGPT's order (settings, setup, data, model,
 optimizer, loop); the functions below them are its steps.
@@ -29,7 +30,7 @@ from helpers.config import DEFAULTS, ConfigError
 from helpers.prepare_data import ensure_dataset
 from helpers.runlog import RunLog, check_wandb, closing, plot_losses
 from helpers.stopping import StopOnSignal, diverged, out_of_memory, stopped_by_signal
-from helpers.timing import RunTimer
+from helpers.timing import RunTimer, plural
 from model import GPT, GPTConfig
 
 
@@ -107,7 +108,10 @@ def train(cfg, ckpt, argv, device, rank, world):
                "device": device, "dtype": dtype, "config": cfg})
     if master:
         print(f"{raw_model.get_num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
-              f"{device} {dtype}, {world} process(es), data {data_dir}")
+              f"{device} {dtype}, {plural(world, 'process', 'processes')}, data {data_dir}")
+        if ckpt is not None:
+            print(f"resuming from {checkpoint.path(cfg['out_dir'])} at iteration {progress.iter_num} "
+                  f"(max_iters={cfg['max_iters']})")
         print(f"writing to {cfg['out_dir']}: {', '.join(output_files(cfg))}")
 
     def save(evaluated):
@@ -177,7 +181,8 @@ def train(cfg, ckpt, argv, device, rank, world):
     if master:
         if cfg["plot"]:
             plot_losses(log.path, os.path.join(cfg["out_dir"], "loss.png"))
-        written = output_files(cfg, saved=timer.checkpoints > 0)
+        written = output_files(cfg, saved=timer.checkpoints > 0,
+                               prev=os.path.isfile(checkpoint.path(cfg["out_dir"]) + ".prev"))
         print(f"wrote {', '.join(os.path.join(cfg['out_dir'], name) for name in written)}")
         if cfg["sample_after"]:
             print_sample(raw_model, meta, autocast, device, progress.iter_num)
@@ -199,11 +204,12 @@ def get_lr(it, cfg):
     return cfg["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg["learning_rate"] - cfg["min_lr"])
 
 
-def output_files(cfg, saved=True):
+def output_files(cfg, saved=True, prev=True):
     """The files a run writes in out_dir (what it will write, at its start; what it wrote, at its end: saved says
-    whether it wrote a checkpoint). An eval_only run writes no checkpoint."""
-    checkpoints = [] if cfg["eval_only"] or not saved else ["ckpt.pt"] if cfg["always_save_checkpoint"] else \
-        ["ckpt.pt", "ckpt_best.pt"]
+    whether it wrote a checkpoint, prev whether ckpt.pt.prev, the one a save replaced, is there). An eval_only run
+    writes no checkpoint."""
+    checkpoints = [] if cfg["eval_only"] or not saved else ["ckpt.pt", *(["ckpt.pt.prev"] if prev else [])] + \
+        ([] if cfg["always_save_checkpoint"] else ["ckpt_best.pt"])
     return [*checkpoints, "log.jsonl", *(["loss.png"] if cfg["plot"] else [])]
 
 

@@ -15,6 +15,7 @@ import math
 import os
 import pickle
 import random
+import shlex
 import shutil
 
 import numpy as np
@@ -172,8 +173,9 @@ def load_model(out_dir, device="cpu", mlp=None):
     mlp overrides the checkpoint's MLP kind; None keeps it, checked to run on device."""
     ckpt_path = path(out_dir)
     if not os.path.isfile(ckpt_path):
+        # the hint names out_dir: the config writes elsewhere (out-shakespeare-char-cpu), where this would not look
         raise errors.UsageError(f"no checkpoint at {ckpt_path}; train one first, e.g. python train.py "
-                                "configs/shakespeare_char_cpu.py")
+                                f"configs/shakespeare_char_cpu.py --out_dir={shlex.quote(out_dir)}")
     ckpt = read(ckpt_path, keys=("model", "model_args", "meta"))
     # FP8 and the fused classifier are ways to train: inference runs bf16 and needs the logits
     model_args = {**ckpt["model_args"], "dropout": 0.0, "fp8": False, "classifier": "eager"}

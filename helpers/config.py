@@ -22,53 +22,54 @@ import difflib
 import os
 import runpy
 import sys
+import tokenize
 import types
 
 from helpers import checkpoint, errors, runtime
 from model import GPTConfig
 
-# train.py's settings and their defaults (GPT-2 small, as in nanoGPT); configs/*.py and --key=value override them
+# train.py's settings and their defaults (GPT-2 small, as in nanoGPT); configs/*.py and --key=value override them.
+# The comments are train.py --help's text (describe_keys): a key's on its line, its group's on a line of its own.
 DEFAULTS = dict(
     # I/O
-    out_dir="out",
-    eval_interval=2000,
-    log_interval=1,
-    eval_iters=200,
+    out_dir="out",  # the run's folder: ckpt.pt, ckpt.pt.prev, log.jsonl, loss.png
+    eval_interval=2000,  # iterations between evals (each may save a checkpoint)
+    log_interval=1,  # iterations between log lines
+    eval_iters=200,  # batches per eval, of train and of val
     eval_only=False,  # evaluate once and exit
     always_save_checkpoint=True,  # False: save only when the val loss improves (and keep it as ckpt_best.pt)
-    init_from="scratch",  # "scratch", "resume" (out_dir/ckpt.pt), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, or
-    # a folder holding a Hugging Face GPT-2 checkpoint (config.json and model.safetensors or pytorch_model.bin)
+    init_from="scratch",  # scratch, resume (out_dir/ckpt.pt), gpt2[-medium|-large|-xl], or a Hugging Face GPT-2 folder
     # wandb logging (off by default; pip install wandb)
     wandb_log=False,
     wandb_project="owt",
     wandb_run_name="gpt2",
     # data
     dataset="shakespeare",  # a name data.DATASETS knows, or a folder with train.bin, val.bin, meta.json
-    data_root="data",
+    data_root="data",  # where a named dataset's folder is (prepared there on first use)
     batch_size=12,  # micro-batch size of each process
-    block_size=1024,
+    block_size=1024,  # context length, in tokens
     gradient_accumulation_steps=40,  # over all processes together; divided by the world size
     # model (GPT-2 small)
     n_layer=12,
     n_head=12,
-    n_embd=768,
+    n_embd=768,  # the model's width
     dropout=0.0,
-    bias=False,
+    bias=False,  # biases in the Linears and LayerNorms
     mlp="auto",  # "eager" | "fused" | "auto"
-    activation="gelu",
+    activation="gelu",  # gelu, gelu_tanh, relu, relu2 | gated: swiglu, geglu, geglu_tanh, sigmoid_tanh
     fuse_ln=False,  # fold each block's second LayerNorm into the fused MLP (mlp="fused" or "auto")
     fp8=False,  # FP8 GEMMs in the fused MLP (mlp="fused", an Ada or Hopper GPU): fused_ops/fp8.py
     classifier="eager",  # "eager" | "fused": the LM head and cross-entropy as one operator (fused_ops/classifier.py)
     vocab_size=None,  # None: the dataset's vocabulary size
     # AdamW
-    learning_rate=6e-4,
-    max_iters=600000,
+    learning_rate=6e-4,  # the peak, after warmup
+    max_iters=600000,  # optimizer steps in all
     weight_decay=1e-1,
     beta1=0.9,
     beta2=0.95,
     grad_clip=1.0,  # 0 disables clipping
     # learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters
-    decay_lr=True,
+    decay_lr=True,  # False: learning_rate throughout
     warmup_iters=2000,
     lr_decay_iters=600000,
     min_lr=6e-5,
@@ -76,7 +77,7 @@ DEFAULTS = dict(
     device="auto",  # "auto" (cuda > mps > cpu), "cpu", "cuda", "cuda:1", "mps"
     dtype="auto",  # "auto" (bf16 on GPUs that have it, else fp16 on cuda, fp32 elsewhere) | bfloat16 | float16 | float32
     compile=False,  # True (torch.compile), or a torch.compile mode: "reduce-overhead" adds CUDA graphs
-    seed=1337,
+    seed=1337,  # each process adds its rank
     # extras
     sample_after=False,  # print a short sample when training ends
     plot=True,  # write out_dir/loss.png when training ends
@@ -146,10 +147,7 @@ def parse_config(defaults, argv, key_types=None):
     config = dict(defaults)
     for arg in argv:
         if arg in ("-h", "--help"):
-            width = max(map(len, config))
-            print("usage: [config_file.py ...] [--key=value ...]\n\nkeys and their defaults:")
-            for k in sorted(config):
-                print(f"  {k:<{width}}  {config[k]!r}")
+            print_help(config)
             return None
         if not arg.startswith("--"):  # a config file
             if not os.path.isfile(arg):
@@ -179,6 +177,54 @@ def parse_config(defaults, argv, key_types=None):
             value = text  # not a Python literal: a plain string such as --dataset=shakespeare_char
         config[key] = coerce(key, value, allowed[key], raw=text)
     return config
+
+
+def print_help(config):
+    """train.py --help: the usage, where settings come from, then every key with its value in config (the defaults,
+    or what the arguments before --help made of them) and its comment in DEFAULTS, under its group's heading."""
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    names = sorted(n for n in os.listdir(configs) if n.endswith(".py")) if os.path.isdir(configs) else []
+    print("usage: python train.py [config_file.py ...] [--key=value ...]\n\n"
+          "Each key starts at its default (GPT-2 small, as in nanoGPT), then each config file and --key=value overrides\n"
+          "it, in order; the values below are what the arguments before --help make of them. The runs, in configs/:\n"
+          f"    {', '.join(names)}\n"
+          "e.g. python train.py configs/shakespeare_char_cpu.py --max_iters=500")
+    described = describe_keys()
+    width = max(map(len, config))
+    values = {k: repr(v) for k, v in config.items()}
+    value_width = min(max(map(len, values.values())), 14)
+    group = None
+    for k in [*described, *sorted(set(config) - set(described))]:
+        if k not in config:
+            continue
+        heading, comment = described.get(k, ("", ""))
+        if heading != group:
+            group = heading
+            print(f"\n{heading}:" if heading else "")
+        print(f"  {k:<{width}}  {values[k]:<{value_width}}  {comment}".rstrip())
+
+
+def describe_keys(path=__file__):
+    """{key: (its group's heading, its comment)} for DEFAULTS, in order, read from its source in this file: the
+    comments there are the one description of the keys (a key's on its line, a group's on a line of its own)."""
+    with open(path, encoding="utf-8") as f:
+        tokens = list(tokenize.generate_tokens(f.readline))
+    start = next(i for i, t in enumerate(tokens) if t.string == "DEFAULTS" and t.start[1] == 0)
+    described, heading, key, depth = {}, "", None, 0
+    for before, tok in zip(tokens[start:], tokens[start + 1:]):
+        depth += {"(": 1, ")": -1}.get(tok.string, 0) if tok.type == tokenize.OP else 0
+        if tok.string == ")" and depth == 0:
+            break
+        if depth == 1 and tok.string == "=" and before.type == tokenize.NAME:
+            key = before.string
+            described[key] = (heading, "")
+        elif tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            if tok.line.lstrip().startswith("#"):
+                heading = text
+            elif key is not None and tok.start[0] == before.start[0]:
+                described[key] = (heading, text)
+    return described
 
 
 # -----------------------------------------------------------------------------

@@ -9,9 +9,12 @@ Output cut off by its reader (`sample.py ... | head`) ends quietly with status 1
 reports for a tool killed by it, so `set -o pipefail` scripts still see that the output was not all read).
 
 Anything else is a bug and keeps its traceback. Set DEBUG=1 in the environment to get tracebacks for the
-expected failures too. check_device is the one check every entry point makes before using a device.
+expected failures too. check_device is the one check every entry point makes before using a device, and
+ArgumentParser the parser of every script but train.py (helpers/config.py parses its --key=value).
 """
 
+import argparse
+import difflib
 import os
 import signal
 import sys
@@ -36,6 +39,38 @@ class Stopped(Exception):
     def __init__(self, signum, message):
         super().__init__(message)
         self.exit_status = 128 + signum
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help as the scripts give it: the description as written (their docstrings), and after each option's help its
+    default, unless the help names it already or there is none to give (None, a flag's False)."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS or \
+                "default" in help or not action.option_strings:
+            return help
+        return help + " (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse as every script uses it: a bad argument is one line `<script>: error: ...` and exit status 2, as the
+    other usage errors (no usage block before it: --help has it); an option is never guessed from a prefix
+    (--num_sample is an error, not --num_samples); --help shows the defaults (HelpFormatter)."""
+
+    def __init__(self, prog, **kwargs):
+        super().__init__(prog=prog, allow_abbrev=False, formatter_class=HelpFormatter, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        args, unknown = self.parse_known_args(args, namespace)
+        if unknown:  # argparse's own message, and the option that was probably meant
+            options = [o for action in self._actions for o in action.option_strings]
+            close = difflib.get_close_matches(unknown[0].partition("=")[0], options, n=1)
+            self.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {close[0]}?)" if close else ""))
+        return args
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def run_main(script, main, argv=None, quiet=False):

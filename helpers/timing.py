@@ -65,18 +65,18 @@ class RunTimer:
         parts = {k: v for k, v in parts.items() if v > 0}
         self.seconds.update(parts)
         rest = sum(warm) - len(warm) * steady - sum(parts.values())
-        rest_is = ("kernel compiles, CUDA graphs, allocation" if self.device_type == "cuda"
-                   else "first calls, allocation")  # no GPU words for a CPU (or MPS) run
+        rest_is = ("kernel compiles, CUDA graphs and allocation" if self.device_type == "cuda"
+                   else "first calls and allocation")  # no GPU words for a CPU (or MPS) run
         inside = ", ".join([*(f"{k} {v:.1f} s" for k, v in parts.items()),
-                            f"the rest ({rest_is}) {max(rest, 0):.1f} s"])
+                            f"the rest {max(rest, 0):.1f} s for {rest_is}"])  # (no parentheses inside the parentheses)
         evals = ""
         if self.evals:
             lazy = ", ".join(f"{k} {v:.1f} s" for k, v in self.before_steps.items() if v > 0)
             evals = f"; eval {self.evals[0]:.2f} s" + (f" ({lazy})" if lazy else "")
             evals += f", then {self.evals[-1]:.2f} s" if len(self.evals) > 1 else ""
         tqdm.write(f"start-up {self.seconds['to first step']:.1f} s to the first step: data "
-              f"{self.seconds.get('data', 0):.1f} s, model {self.seconds.get('model', 0):.1f} s; first {len(warm)} steps "
-              f"{sum(warm):.1f} s ({inside}); "
+              f"{self.seconds.get('data', 0):.1f} s, model {self.seconds.get('model', 0):.1f} s; first "
+              f"{plural(len(warm), 'step')} {sum(warm):.1f} s ({inside}); "
               f"then {steady * 1000:.1f} ms a step{evals}")  # (through tqdm: a live progress bar stays whole)
 
 
@@ -91,11 +91,17 @@ class RunTimer:
         if self.master:
             median = f" (median {statistics.median(self.step_times) * 1000:.1f} ms)" if self.step_times else ""
             tqdm.write(f"run {total:.1f} s: data {parts['data']:.1f} s, model {parts['model']:.1f} s, "
-                       f"{len(self.step_times)} steps {parts['steps']:.1f} s{median}, {len(self.evals)} evals "
-                       f"{parts['evals']:.1f} s, {self.checkpoints} checkpoints {parts['checkpoints']:.1f} s, the rest "
+                       f"{plural(len(self.step_times), 'step')} {parts['steps']:.1f} s{median}, "
+                       f"{plural(len(self.evals), 'eval')} {parts['evals']:.1f} s, "
+                       f"{plural(self.checkpoints, 'checkpoint')} {parts['checkpoints']:.1f} s, the rest "
                        f"{parts['the rest']:.1f} s")
         self.seconds["run"] = total
         return parts
+
+
+def plural(n, word, words=None):
+    """'1 step', '2 steps', '0 steps'; words where adding an s is not the plural ('processes')."""
+    return f"{n} {word if n == 1 else words or word + 's'}"
 
 
 def lazy_work():

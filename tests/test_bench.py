@@ -11,9 +11,10 @@ import bench
 
 # The fused kernels run on CUDA, or on CPU only under the interpreter (set by conftest when there is no GPU).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_runs_and_paths_agree(tmp_path):
+def test_bench_runs_and_paths_agree(tmp_path, capsys):
     cfg = tmp_path / "tiny.py"
     cfg.write_text("n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 16\nbatch_size = 2\n"
                    "dataset = 'shakespeare_char'\nactivation = 'gelu'\n")
@@ -28,12 +29,28 @@ def test_bench_runs_and_paths_agree(tmp_path):
     assert all(r["to_first_step_s"] >= r["first_step_s"] > 0 for r in rows)
     for ext in (".json", ".csv", ".png"):
         assert os.path.getsize(out + ext) > 0
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}.json, {out}.csv, {out}.png")  # said, file by file
     with open(out + ".json") as f:
         saved = json.load(f)
     assert saved["env"]["model"]["n_embd"] == 32 and len(saved["rows"]) == 2
 
 
-def test_bench_several_processes_match_one(tmp_path):
+def test_a_users_bench_run_goes_outside_results(tmp_path, monkeypatch, capsys):
+    """Without --out, out-bench/ (untracked: .gitignore's out*/), never results/, which holds the docs' record."""
+    cfg = tmp_path / "tiny.py"
+    cfg.write_text("n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 16\nbatch_size = 2\ndataset = 'shakespeare_char'\n")
+    monkeypatch.chdir(tmp_path)  # (a checkout's root, as far as bench.py can tell)
+    bench.main([str(cfg), "--device=cpu", "--dtype=float32", "--mlps=eager", "--compile=False", "--warmup=1",
+                "--steps=1"])
+    out = os.path.join("out-bench", "bench_tiny")
+    assert sorted(os.listdir("out-bench")) == ["bench_tiny.csv", "bench_tiny.json", "bench_tiny.png"]
+    assert not os.path.exists("results")
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}.json, {out}.csv, {out}.png")
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        assert "out*/" in f.read().split()  # git leaves it out, as it does the runs' out_dir
+
+
+def test_bench_several_processes_match_one(tmp_path, capsys):
     """--gpus=1,2 on the CPU: bench.py under torchrun (Gloo), DDP inside the model's wrapper as train.py runs it. Each
     process sees the same batches from the same weights, so the averaged gradient is one process's and the losses of
     the first steps are the 1-process run's; the table gives tokens/s per process for both counts."""
@@ -49,6 +66,7 @@ def test_bench_several_processes_match_one(tmp_path):
     assert all(r["tokens_per_s_per_gpu"] > 0 and r["per_gpu_min"] <= r["tokens_per_s_per_gpu"] <= r["per_gpu_max"]
                for r in rows)
     assert one["vs_first"] == 1.0 and os.path.getsize(out + ".json") > 0
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}.json, {out}.csv")
 
 
 def test_bench_rounds_interleave_the_variants(tmp_path, monkeypatch):
@@ -71,7 +89,7 @@ def test_bench_rounds_interleave_the_variants(tmp_path, monkeypatch):
         assert abs(a - b) < 1e-4
 
 
-def test_bench_mlp_widths(tmp_path):
+def test_bench_mlp_widths(tmp_path, capsys):
     """--mlp_widths on CPU at tiny sizes: a row per width, activation and path; fused forward equals eager's."""
     out = str(tmp_path / "widths")
     rows = bench.main(["--mlp_widths=32,64", "--mlp_tokens=32,32", f"--device={DEVICE}", "--dtype=float32", "--compile=False", f"--out={out}"])
@@ -84,6 +102,7 @@ def test_bench_mlp_widths(tmp_path):
     assert {r["H"] for r in rows if r["C"] == 64} == {256, 192}  # 4C for gelu; 8/3 C rounded up to 64 for swiglu
     for ext in (".json", ".csv", ".png"):
         assert os.path.getsize(out + ext) > 0
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}.json, {out}.csv, {out}.png")
     with open(out + ".json") as f:
         saved = json.load(f)
     assert len(saved["rows"]) == 8 and saved["env"]["matmul_tflops"] > 0

@@ -19,6 +19,7 @@ from helpers import errors
 from helpers import prepare_data
 from helpers import runtime
 from helpers import stopping
+from helpers import timing
 import train
 from test_train import TINY, dataset  # noqa: F401 (dataset: test_train's fixture, the tiny char dataset)
 
@@ -199,8 +200,121 @@ def test_bad_arguments_are_one_line_errors(capsys):
     with pytest.raises(SystemExit) as e:
         bench_mlp.main(["--widths=7x"])
     assert e.value.code == 2
-    assert "error: argument --widths: expected comma-separated integers, got '7x'" in capsys.readouterr().err
+    assert capsys.readouterr().err == "bench_mlp.py: error: argument --widths: expected comma-separated integers, " \
+                                      "got '7x'\n"
     assert "config file not found: nope.py" in one_line_error(script("bench.py", "nope.py"), "bench.py", 2)
+
+
+# --- every script's arguments: typos and bad values are one line, --help shows the defaults ---------------------
+
+def scripts():
+    """Each script's name and main, as its __main__ runs it."""
+    import bench
+    import bench_classifier
+    import bench_mlp
+    import export
+    import prepare
+    import sample
+    return {"train.py": train.main, "sample.py": sample.main, "prepare.py": prepare.main, "export.py": export.main,
+            "bench.py": bench.main, "bench_mlp.py": bench_mlp.main, "bench_classifier.py": bench_classifier.main}
+
+
+def run_in_process(capsys, name, argv):
+    """(exit status, stdout, stderr) of the script `name` run with argv, in this process (argparse exits)."""
+    try:
+        status = errors.run_main(name, scripts()[name], argv)
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize("name, argv, meant", [
+    ("train.py", ["--max_iter=3"], "Did you mean 'max_iters'?"),
+    ("sample.py", ["--num_sample=2"], "(did you mean --num_samples?)"),  # not taken as --num_samples
+    ("prepare.py", ["--datset=shakespeare_char"], "(did you mean --dataset?)"),
+    ("export.py", ["--out-dir=out"], "(did you mean --out_dir?)"),
+    ("bench.py", ["configs/shakespeare_char_cpu.py", "--step=3"], "(did you mean --steps?)"),
+    ("bench_mlp.py", ["--width=768"], "(did you mean --widths?)"),
+    ("bench_classifier.py", ["--shape=1x2x3"], "(did you mean --shapes?)"),
+])
+def test_every_script_rejects_a_mistyped_option_in_one_line(capsys, name, argv, meant):
+    """No script guesses an option from a prefix or ignores one it does not know: one line naming it and the option
+    probably meant, exit status 2, before any work."""
+    status, out, err = run_in_process(capsys, name, argv)
+    assert status == 2 and out == "", (status, out)
+    assert err.count("\n") == 1 and err.startswith(f"{name}: error: ") and meant in err, err
+    assert argv[-1].partition("=")[0] in err
+
+
+@pytest.mark.parametrize("name, argv, says", [
+    ("sample.py", ["--mlp=fast"], "argument --mlp: invalid choice: 'fast'"),
+    ("prepare.py", ["--dataset=shakespeare_char", "--tokenizer=bytes"], "argument --tokenizer: invalid choice"),
+    ("prepare.py", ["--tokenizer=char"], "give exactly one of --dataset or --source"),
+    ("export.py", ["--to"], "argument --to: expected one argument"),
+    ("bench.py", ["configs/shakespeare_char_cpu.py", "--steps=many"], "argument --steps: invalid int value: 'many'"),
+    ("bench_classifier.py", ["--rounds=x"], "argument --rounds: invalid int value: 'x'"),
+])
+def test_a_bad_value_is_one_line_without_the_usage(capsys, name, argv, says):
+    status, out, err = run_in_process(capsys, name, argv)
+    assert status == 2 and out == "", (status, out)
+    assert err.count("\n") == 1 and err.startswith(f"{name}: error: {says}") and "usage:" not in err, err
+
+
+def test_a_bad_value_from_a_shell_is_the_one_line_the_readme_promises():
+    proc = script("sample.py", "--mlp=fast")
+    assert proc.stdout == ""
+    assert one_line_error(proc, "sample.py", 2).startswith("sample.py: error: argument --mlp: invalid choice: 'fast'")
+
+
+@pytest.mark.parametrize("name, shown", [
+    ("sample.py", ["--num_samples NUM_SAMPLES  samples to print (default: 3)", "(default: 500)", "(default: out)"]),
+    ("prepare.py", ["(default: char)", "(default: 0.1)"]),
+    ("export.py", ["(default: out)", "<out_dir>/hf"]),
+    ("bench.py", ["(default: 20)", "(default: eager,fused)", "out-bench/bench_<config>"]),
+    ("bench_mlp.py", ["(default: gelu,swiglu)", "(default: out-bench/mlp.json)"]),
+    ("bench_classifier.py", ["(default: 4)"]),
+])
+def test_help_names_the_script_and_shows_the_defaults(capsys, name, shown):
+    status, out, err = run_in_process(capsys, name, ["--help"])
+    assert status == 0 and err == ""
+    text = " ".join(out.split())  # (argparse wraps the lines to the terminal's width)
+    assert out.startswith(f"usage: {name} ") and all(" ".join(s.split()) in text for s in shown), out
+
+
+def test_train_help_says_what_each_key_is_and_where_the_runs_are(capsys):
+    from helpers import config
+    assert train.main(["--help"]) is None
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python train.py [config_file.py ...] [--key=value ...]\n")
+    assert "GPT-2 small" in out and "configs/" in out and "shakespeare_char_cpu.py" in out
+    described = config.describe_keys()
+    assert list(described) == list(config.DEFAULTS)  # every key, in order, read from DEFAULTS' source
+    assert described["block_size"] == ("data", "context length, in tokens")
+    assert described["wandb_project"] == ("wandb logging (off by default; pip install wandb)", "")
+    lines = {line.split()[0]: line for line in out.splitlines() if re.match(r"  \w", line)}
+    assert set(lines) == set(config.DEFAULTS)
+    assert re.fullmatch(r"  block_size +1024 +context length, in tokens", lines["block_size"])
+    assert "\nAdamW:\n" in out and "\nmodel (GPT-2 small):\n" in out  # the groups' headings
+    # after a config file, the values it sets: what the run would use
+    train.main(["configs/shakespeare_char_cpu.py", "--help"])
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if re.match(r"  \w", line)}
+    assert "'out-shakespeare-char-cpu'" in lines["out_dir"] and re.match(r"  max_iters +1300 ", lines["max_iters"])
+
+
+# --- what a run says: where it resumed, in the singular where there is one --------------------------------------
+
+def test_a_resumed_run_says_from_where_and_counts_in_the_singular(trained, tmp_path, capsys):
+    out = copy_run(trained, tmp_path)
+    train.main(["--init_from=resume", f"--out_dir={out}", "--max_iters=5"])
+    printed = capsys.readouterr().out
+    assert f"resuming from {os.path.join(out, 'ckpt.pt')} at iteration 4 (max_iters=5)\n" in printed, printed
+    assert ", 1 process, data " in printed, printed  # (under torchrun: "2 processes")
+    assert [timing.plural(n, "process", "processes") for n in (1, 2)] == ["1 process", "2 processes"]
+    # one step (4), then the final eval at 5 and its checkpoint (the eval at 4 was the resumed checkpoint's)
+    assert re.search(r", 1 step \d+\.\d s \(median \d+\.\d ms\), 1 eval \d+\.\d s, 1 checkpoint \d+\.\d s, the rest",
+                     printed), printed
+    assert printed.rstrip().endswith(", ".join(os.path.join(out, f) for f in ("ckpt.pt", "ckpt.pt.prev", "log.jsonl")))
 
 
 # --- damaged and foreign checkpoints ---------------------------------------------------------------------------

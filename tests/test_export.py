@@ -162,6 +162,7 @@ def test_export_py_after_training(tmp_path, capsys):
     capsys.readouterr()
     assert export.main([f"--out_dir={out}", f"--to={to}"]) == to
     printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {to}: README.md, char_vocab.json, config.json, model.safetensors\n"), printed
     model, ckpt = export.checkpoint.load_model(out)
     n = ckpt["meta"]["vocab_size"]
     assert f"vocabulary: {n} tokens, cut from the model's 128 padded rows; tokenizer: characters" in printed
@@ -174,6 +175,11 @@ def test_export_py_after_training(tmp_path, capsys):
     import sample
     greedy = ["--start=ROMEO:", "--num_samples=1", "--max_new_tokens=20", "--top_k=1", "--device=cpu", "--mlp=eager"]
     assert sample.main([f"--init_from={to}", *greedy]) == sample.main([f"--out_dir={out}", *greedy])
+    # without --to: beside the checkpoint, in the run's folder (which git ignores), never a new folder in the checkout
+    capsys.readouterr()
+    assert export.main([f"--out_dir={out}"]) == os.path.join(out, "hf")
+    assert capsys.readouterr().out.startswith(f"wrote {os.path.join(out, 'hf')}: README.md, char_vocab.json, ")
+    assert transformers_model(os.path.join(out, "hf")).config.vocab_size == n
 
 
 def test_export_py_errors_are_one_line(tmp_path, capsys):
@@ -189,4 +195,4 @@ def test_export_py_errors_are_one_line(tmp_path, capsys):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr == f"export.py: error: no checkpoint at {tmp_path / 'none' / 'ckpt.pt'}; train one first, " \
-                          "e.g. python train.py configs/shakespeare_char_cpu.py\n"
+                          f"e.g. python train.py configs/shakespeare_char_cpu.py --out_dir={tmp_path / 'none'}\n"

@@ -3,6 +3,8 @@
 bookkeeping (static copies, inputs read in place, outputs still held, the state put back after a capture) is tested
 without a GPU; on a GPU (-m gpu) the real graphs under inductor."""
 
+import math
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import model
 from fused_ops import env
 from fused_ops.fp8 import FP8State, graphs as op_graphs
 from fused_ops.fp8 import state as fp8_state
+from fused_ops.fp8.autograd import fp8_mlp
 
 CUDA = torch.cuda.is_available()
 needs_fp8_gpu = pytest.mark.skipif(not CUDA or not fp8_state.fp8_supported(torch.device("cuda")),
@@ -209,6 +212,31 @@ def test_a_compiled_fp8_gpt_trains_the_same_through_the_graphs(emulated, monkeyp
         assert replays == [6, 6], replays
 
 
+def test_a_16_bit_model_without_autocast_says_once_that_its_backward_cannot_replay(emulated, monkeypatch):
+    """A 16-bit model trained without autocast keeps the backward's weight gradients as its .grads, so from a step's
+    second micro-step on its backward runs as it is (right, but slower than a replay): one warning per process says
+    why and what to do. (Under autocast the .grads are fp32 copies, and every backward replays: the test above.)"""
+    import torch._dynamo
+    torch._dynamo.reset()
+    monkeypatch.setattr(op_graphs, "_warned_held_grads", False)
+    torch.manual_seed(0)
+    fc, proj = torch.nn.Linear(32, 64, dtype=torch.float16), torch.nn.Linear(64, 32, dtype=torch.float16)
+    state = FP8State()
+    step = torch.compile(lambda x: fp8_mlp(x, fc, proj, "gelu", state), fullgraph=True, backend="aot_eager")
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(3):  # steps of two micro-steps: calibration, the first calls, then captures and replays
+            for _ in range(2):
+                step(torch.randn(48, 32, dtype=torch.float16)).float().square().mean().backward()
+            fc.zero_grad(set_to_none=True)
+            proj.zero_grad(set_to_none=True)
+    said = [str(w.message) for w in caught if "FP8" in str(w.message)]
+    assert len(said) == 1, said  # (refused twice: one warning)
+    assert "weight gradients it returned are still held" in said[0] and "torch.autocast" in said[0]
+    forward, backward = state.op_graphs.graphs.values()
+    # after the first step (calibration, the first calls): every forward replays, the backward at a step's first
+    assert (forward.replays, backward.replays) == (4, 2)
+
+
 def test_a_state_moved_or_copied_drops_its_graphs(emulated):
     state = FP8State()
     state.op_graphs = op_graphs.OpGraphs()
@@ -254,3 +282,97 @@ def test_the_graphs_train_a_compiled_gpt_as_the_bodies_do_on_the_gpu(monkeypatch
     assert losses[-1] < losses[0] - 0.5
     for block in gpt.transformer.h:
         assert [g.replays for g in block.mlp.fp8.op_graphs.graphs.values()] == [8, 8]  # (10 calls each)
+
+
+GRADIENTS = ("y", "dx", "dW1", "dW2", "db1", "db2")
+
+
+def special_values_through_the_graphs(device, monkeypatch, M, C, hidden, bias):
+    """NaN and ±inf in x, then in the output gradient, then a finite call, each sent through the compiled FP8 MLP as a
+    replay of its operators' graphs and through the uncompiled FP8 path (FP8MLPFunction, a state of its own through
+    the same calls). Returns [(case, outputs through the graphs, the uncompiled path's)], each outputs as GRADIENTS.
+    On the CPU: aot_eager, fp16 and the test double; on a GPU: inductor (torch.compile's default mode), bf16."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    cuda = device == "cuda"
+    monkeypatch.setattr(env, "GRAPHS", True)
+    monkeypatch.setattr(op_graphs, "_failure", None)
+    monkeypatch.setattr(op_graphs, "EMULATE", not cuda)
+    dtype = torch.bfloat16 if cuda else torch.float16
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(C, hidden, bias=bias, device=device)  # fp32 masters under autocast, as train.py runs
+    proj = torch.nn.Linear(hidden, C, bias=bias, device=device)
+    state, plain_state = FP8State().to(device), FP8State().to(device)
+    compiled = torch.compile(lambda x: fp8_mlp(x, fc, proj, "gelu", state), fullgraph=True,
+                             **({} if cuda else dict(backend="aot_eager")))
+    runs = {"graphs": compiled, "uncompiled": lambda x: fp8_mlp(x, fc, proj, "gelu", plain_state)}
+
+    def call(run, x, gy):
+        """One forward and backward; its outputs copied out and the .grads cleared, so that nothing the next replay
+        overwrites is held (else that call would run the bodies as they are, not replay)."""
+        x = x.clone().requires_grad_()
+        with torch.autocast(device, dtype=dtype):
+            y = runs[run](x)
+        y.backward(gy)
+        grads = [None if p is None else p.grad for p in (fc.weight, proj.weight, fc.bias, proj.bias)]
+        out = [None if t is None else t.detach().float().clone() for t in (y, x.grad, *grads)]
+        for p in (*fc.parameters(), *proj.parameters()):
+            p.grad = None
+        return out
+
+    gen = torch.Generator(device).manual_seed(0)
+
+    def finite():
+        return (torch.randn(M, C, device=device, generator=gen),
+                torch.randn(M, C, device=device, generator=gen).to(dtype) * 1e-3)
+
+    for _ in range(4):  # calibration, the operators' first calls, the capture (and its replay), a replay
+        x, gy = finite()
+        for run in runs:
+            call(run, x, gy)
+    graphs = list(state.op_graphs.graphs.values())
+    assert [g.replays for g in graphs] == [2, 2]  # the forward's and the backward's
+    x, gy = finite()
+    bad_x, bad_gy = x.clone(), gy.clone()
+    bad_x[3], bad_x[7, 5], bad_x[11, 2] = math.nan, math.inf, -math.inf
+    bad_gy[2, 0], bad_gy[9, 4], bad_gy[13, 1] = math.nan, math.inf, -math.inf  # (db2 keeps them: unquantized)
+    results = []
+    for i, (case, x, gy) in enumerate([("x", bad_x, gy), ("grad_y", x, bad_gy), ("finite after", *finite())]):
+        results.append((case, call("graphs", x, gy), call("uncompiled", x, gy)))
+        assert [g.replays for g in graphs] == [3 + i] * 2, case  # every call a replay
+    return results
+
+
+def check_special_values(results):
+    """NaN, +inf and -inf in the same places through the graphs as uncompiled; the finite entries close (the same
+    kernels on the same values); and the specials reached the outputs (else the test would show nothing)."""
+    for case, ours, plain in results:
+        for name, o, p in zip(GRADIENTS, ours, plain):
+            if p is None:
+                assert o is None, (case, name)
+                continue
+            for what, where in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+                assert torch.equal(where(o), where(p)), (case, name, what, where(o).nonzero()[:8], where(p).nonzero()[:8])
+            finite = p.isfinite()
+            if finite.any():
+                err = (o[finite] - p[finite]).norm() / p[finite].norm().clamp_min(1e-30)
+                assert err < 1e-2, (case, name, err.item())
+    (_, x_case, _), (_, gy_case, _), (_, after, _) = results
+    assert x_case[0][[3, 7, 11]].isnan().all() and x_case[0][[0, 1, 2]].isfinite().all()  # rows with a special: NaN
+    assert gy_case[1][[2, 9, 13]].isnan().all() and gy_case[0].isfinite().all()  # (±inf quantizes to NaN)
+    if gy_case[5] is not None:
+        assert gy_case[5][0].isnan() and gy_case[5][4] == math.inf and gy_case[5][1] == -math.inf
+    assert all(t is None or t.isfinite().all() for t in after)  # nothing left behind in the graphs' buffers
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_nan_and_inf_come_out_of_the_emulated_graphs_as_uncompiled(monkeypatch, bias):
+    check_special_values(special_values_through_the_graphs("cpu", monkeypatch, M=40, C=32, hidden=64, bias=bias))
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [True, False])
+def test_nan_and_inf_come_out_of_the_graphs_as_uncompiled_on_the_gpu(monkeypatch, bias):
+    """The real graphs under inductor, M not a multiple of 16 (the FP8 copies' padding rows)."""
+    check_special_values(special_values_through_the_graphs("cuda", monkeypatch, M=200, C=256, hidden=1024, bias=bias))

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,21 @@ def test_clear_errors(out_dir, tmp_path):
     proc = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 2 and "sample.py: error: no checkpoint at" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_hint_without_a_checkpoint_is_a_command_that_makes_one(tmp_path, monkeypatch):
+    """sample.py with no checkpoint names a train.py command; run as given (cut short here, its data in tmp_path), it
+    writes the very checkpoint this sample.py looks for: the hint names --out_dir, the config's own is another."""
+    out = str(tmp_path / "my run")  # (a space: the command quotes it)
+    with pytest.raises(errors.UsageError, match=r"no checkpoint at .*; train one first, e\.g\. python train\.py") as e:
+        sample.main([f"--out_dir={out}", "--device=cpu"])
+    command = shlex.split(str(e.value).partition("e.g. ")[2])
+    assert command[:2] == ["python", "train.py"] and f"--out_dir={out}" in command
+    monkeypatch.chdir(ROOT)  # (where the README runs it: the config's path is relative)
+    # (--mlp=eager: the config's "auto" takes the kernels through the interpreter the tests turn on, far too slow)
+    train.main(command[2:] + ["--max_iters=1", "--eval_iters=1", f"--data_root={tmp_path / 'data'}", "--mlp=eager",
+                              "--progress=False", "--plot=False", "--sample_after=False"])
+    assert len(sample.main([f"--out_dir={out}", "--device=cpu", "--num_samples=1", "--max_new_tokens=3"])) == 1
 
 
 def test_vocabulary_without_newline(tmp_path, capsys):

@@ -20,7 +20,7 @@ def test_train_prints_where_start_up_went(dataset, tmp_path, capsys):
     assert len(lines) == 1, out  # once, after the steady steps
     line = lines[0]
     assert re.search(r"start-up \d+\.\d s to the first step: data \d+\.\d s, model \d+\.\d s; first 3 steps "
-                     r"\d+\.\d s \(.*the rest \(first calls, allocation\) \d+\.\d s\); "
+                     r"\d+\.\d s \(.*the rest \d+\.\d s for first calls and allocation\); "
                      r"then \d+\.\d ms a step; eval \d+\.\d\d s", line), line
     assert not re.search(r"CUDA|GPU", out), out  # a CPU run: no GPU words
     s = summary["startup"]

@@ -86,13 +86,13 @@ def test_says_where_it_writes(dataset, tmp_path, capsys):
     out = str(tmp_path / "out")
     run(dataset, out, "--max_iters=2", "--eval_interval=2", "--plot=True")
     printed = capsys.readouterr().out
-    assert f"writing to {out}: ckpt.pt, log.jsonl, loss.png\n" in printed, printed
-    files = [os.path.join(out, name) for name in ("ckpt.pt", "log.jsonl", "loss.png")]
+    assert f"writing to {out}: ckpt.pt, ckpt.pt.prev, log.jsonl, loss.png\n" in printed, printed
+    files = [os.path.join(out, name) for name in ("ckpt.pt", "ckpt.pt.prev", "log.jsonl", "loss.png")]
     assert printed.rstrip().endswith(f"wrote {', '.join(files)}") and all(map(os.path.isfile, files)), printed
     run(dataset, out, "--max_iters=2", "--eval_only=True", "--init_from=resume")
     assert capsys.readouterr().out.rstrip().endswith(f"wrote {os.path.join(out, 'log.jsonl')}")
     run(dataset, str(tmp_path / "best"), "--max_iters=2", "--eval_interval=2", "--always_save_checkpoint=False")
-    assert f"writing to {tmp_path / 'best'}: ckpt.pt, ckpt_best.pt, log.jsonl\n" in capsys.readouterr().out
+    assert f"writing to {tmp_path / 'best'}: ckpt.pt, ckpt.pt.prev, ckpt_best.pt, log.jsonl\n" in capsys.readouterr().out
 
 
 def test_resume_continues_exactly(dataset, tmp_path):

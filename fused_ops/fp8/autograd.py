@@ -163,6 +163,11 @@ def _backward(grad_y, xt8, ht8, saved, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv,
     return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj
 
 
+# The parameters' gradients among _backward's outputs: held at its next call (the .grads of a 16-bit model trained
+# without autocast), they keep its graph from replaying, which graphs.py says once
+_backward.param_grads = (1, 2, 3, 4)
+
+
 class FP8MLPFunction(torch.autograd.Function):
     """y = act(x @ W1ᵀ + b1) @ W2ᵀ + b2 with the FP8 GEMMs of fp8.py's docstring, outside torch.compile. x and the
     weights come in 16 bits (autocast's copies); the weights' FP8 copies (FP8State.weights) come beside them, not

@@ -22,8 +22,8 @@ What keeps it exact (as ../graphs.py's):
 - A replay overwrites the outputs of the graph's last replay. Before it, the graph checks that nobody holds one (the
   count of tensors on their memory): a forward whose backward has not run, a gradient kept as a .grad. If someone
   does, the body runs as it is. (So in a 16-bit model trained without autocast, whose first micro-step's weight
-  gradients become the .grads themselves, every other backward runs as it is; under autocast, as train.py runs,
-  the .grads are fp32 copies.)
+  gradients become the .grads themselves, every other backward runs as it is, with one warning per process that
+  says so; under autocast, as train.py runs, the .grads are fp32 copies.)
 - A signature has one graph. Where the tensors it reads in place are not the ones given (the forward ran as it is,
   two forwards before their backwards), the body runs as it is.
 - Only a calibrated state's calls are captured: the first forward and backward set the scales from the tensors' own
@@ -51,6 +51,7 @@ from ..graphs import _holders, capture_stream, record
 MAX_SIGNATURES = 4  # per layer: the forward and backward of the training shape, and of one more (the last micro-batch)
 EMULATE = False  # a CPU test double for the graphs (tests): a "replay" runs the body on the static inputs
 _failure = None  # what turned the graphs off for the process, if anything did (a line: no traceback keeps memory)
+_warned_held_grads = False  # whether _warn_held_grads has warned (once per process)
 _every = weakref.WeakSet()  # every OpGraphs, so that a failure frees all their graphs
 
 
@@ -87,7 +88,7 @@ class _Graph:
         self.shared = tuple(s is not None for s in shared)
         devices = [a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
         self.outputs, self._graph = self._capture(body, args, devices[0] if devices else None)
-        self.handed = tuple((t, _holders(t)) for t in self.outputs if t is not None and t.numel())
+        self.handed = tuple((i, t, _holders(t)) for i, t in enumerate(self.outputs) if t is not None and t.numel())
         self.replays = 0
 
     def _arguments(self, args):
@@ -112,10 +113,14 @@ class _Graph:
                 for b, old in zip(state.buffers(), kept):
                     b.copy_(old)
 
+    def held(self):
+        """The indices of the outputs someone still holds (a replay would overwrite them)."""
+        return [i for i, t, alone in self.handed if _holders(t) > alone]
+
     def run(self, body, args, shared):
         """The body's outputs for args through a replay, or None where it cannot: a replay would overwrite what
         someone holds, or an input read in place is not the one given."""
-        if shared != self.shared or any(_holders(t) > alone for t, alone in self.handed):
+        if shared != self.shared or self.held():
             return None
         if any(s and _where(a) != _where(t) for s, a, t in zip(shared, args, self.inputs)):
             return None
@@ -162,7 +167,24 @@ class OpGraphs:
             self.graphs[signature] = graph
             self.outputs.update((_where(t), t) for t in graph.outputs if t is not None and t.numel())
         out = graph.run(body, args, shared)
-        return body(*args) if out is None else out
+        if out is None:
+            _warn_held_grads(body, graph)
+            return body(*args)
+        return out
+
+
+def _warn_held_grads(body, graph):
+    """Warn once per process where a backward's replay is refused because the parameters' gradients it returned last
+    time are still held: the .grads of a 16-bit model trained without autocast. Right, but each such backward then
+    runs its body, with the host time the graphs are there to save. body.param_grads: the indices of those outputs."""
+    global _warned_held_grads
+    if _warned_held_grads or not set(graph.held()) & set(getattr(body, "param_grads", ())):
+        return
+    _warned_held_grads = True
+    warnings.warn("the compiled FP8 MLP's backward cannot replay its CUDA graph while the weight gradients it returned "
+                  "are still held: a 16-bit model trained without autocast keeps them as its .grads, so each backward "
+                  "after a step's first micro-step runs as it is (right, but slower). Keep the weights in float32 and "
+                  "train under torch.autocast(dtype=torch.bfloat16 or float16), as train.py does", stacklevel=2)
 
 
 def _fail(e):
