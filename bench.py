@@ -2,36 +2,27 @@
 End-to-end training throughput: mlp="eager" vs mlp="fused", each with and without torch.compile.
 
     python bench.py configs/gpt2_124m.py                       # GPU: full training steps, bf16
-    python bench.py configs/gpt2_124m.py --activation=swiglu --steps=30
     python bench.py configs/shakespeare_char_cpu.py --device=cpu --mlps=eager --compile=False --steps=3  # (CPU: no kernels)
     python bench.py --mlp_widths=768,1024,2048,4096             # GPU: the MLP alone, gelu and swiglu
     TRITON_INTERPRET=1 python bench.py --mlp_widths=32,64 --mlp_tokens=32,32 --device=cpu --compile=False
 
-Each variant starts from the same weights and sees the same batches (random token ids), so the losses of the first
-steps must agree across variants; they are printed next to the timings. A step is forward, backward and the AdamW
-update over gradient_accumulation_steps micro-batches. Reported: median ms/step after warm-up, tokens/s, MFU against
-the GPU's peak bf16 rate, peak GPU memory of the timed steps (allocated, and reserved: CUDA graphs' private pools
-count only there). Writes JSON, CSV and a PNG bar chart to --out (default out-bench/bench_<config>.*: results/ holds
-the measurements the docs cite, and a run goes there only when asked, --out=results/...). --compile also
-takes a torch.compile mode. --mlps=fp8 adds the fused MLP with FP8 GEMMs (fused_ops/fp8/), --mlps=torchao the eager
-MLP through torchao's float8 training (where installed); +cls (fused+cls) adds the fused classifier to a variant.
-
-Variants run one after another by default, and the first of a process can run slower whatever it is (measured:
-results/bench_gpt2_124m_uncompiled_orders_h100.txt). --rounds=N builds them all first, then times them in N rounds of
---steps steps, reversing their order every other round, and prints each round's median too:
+Every variant starts from the same weights and batches (random tokens): the first losses, printed beside the timings,
+must agree. A step: forward, backward, AdamW over gradient_accumulation_steps micro-batches. Reported: median ms/step,
+tokens/s, MFU, peak GPU memory (allocated; reserved holds CUDA graphs' pools). Writes JSON, CSV and a PNG to --out
+(default out-bench/bench_<config>.*; results/ holds what the docs cite, only with --out=results/...). --compile takes
+a torch.compile mode too. --mlps=fp8: the fused MLP in FP8; torchao: the eager MLP through torchao's float8 (where
+installed); +cls (fused+cls) adds the fused classifier. --rounds=N builds every variant first, then times them in N
+rounds reversing their order (a process's first variant can run slower: results/bench_gpt2_124m_uncompiled_orders_h100.txt):
 
     python bench.py configs/gpt2_124m.py --compile=False --rounds=4 --steps=10
 
-Several GPUs: --gpus=1,2,4 runs it under torchrun on 1, 2 and 4 GPUs of this host in turn, each GPU with the same
-micro-batch (DDP inside torch.compile, as train.py), and prints tokens/s per GPU and its share of the 1-GPU rate:
+--gpus=1,2,4: torchrun on 1, 2, 4 GPUs of this host, same micro-batch per GPU (as train.py), tokens/s per GPU:
 
     python bench.py configs/gpt2_124m.py --gpus=1,2,4 --mlps=eager,fused,fp8 --compile=reduce-overhead --rounds=2
 
---mlp_widths times the MLP alone instead, with bench_mlp.py's functions: for each width C and activation, eager, fused
-and torch.compile (of eager), forward and forward+backward ms and % of the matmul floor (the MLP's matmul FLOPs at the
-bf16 matmul peak measured in the same run; 100% = at the floor); on a GPU also forward+backward replayed as one CUDA
-graph, the GPU time without the host's launch costs. Tokens M per width: 12288 for 768, 16384 for 1024, 8192 above
-(--mlp_tokens to change). Default out: out-bench/bench_mlp_widths.*
+--mlp_widths times the MLP alone (bench_mlp.py): per width C and activation, eager, fused and compiled, forward and
+forward+backward ms and % of the matmul floor (measured peak); on a GPU also forward+backward as one CUDA graph. Tokens
+per width: 12288 for 768, 16384 for 1024, 8192 above (--mlp_tokens). Default out: out-bench/bench_mlp_widths.*
 """
 
 import contextlib
