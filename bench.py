@@ -126,9 +126,9 @@ def compile_setting(text):
 
 
 def parse_variant(text):
-    """A lab probe's variant name ("fused", "fp8+compile", "eager+reduce-overhead") as (mlp, compile setting)."""
-    mlp, _, mode = text.partition("+")
-    return mlp, compile_setting({"": "False", "compile": "True"}.get(mode, mode))
+    """A lab probe's variant name ("fused", "fp8+compile", "fused+cls+reduce-overhead") as (mlp, compile setting)."""
+    mlp, _, mode = text.replace("+cls", "").partition("+")
+    return mlp + ("+cls" if "+cls" in text else ""), compile_setting({"": "False", "compile": "True"}.get(mode, mode))
 
 
 def setup(args):

@@ -19,6 +19,15 @@ from tests.numerics import EPS, rel_err
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(params=["a block a row", "16-wide blocks, 3 programs"])
+def row_passes(request, monkeypatch):
+    """The row kernel with a row in one block, and in 16-wide blocks with 3 programs striding over the rows."""
+    if request.param != "a block a row":
+        monkeypatch.setattr(classifier, "BLOCK_V", 16)
+        monkeypatch.setattr(classifier, "PROGRAMS_PER_SM", 3)  # (one "SM" on the CPU)
+    return request.param
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of a few rows, so that every test crosses chunk boundaries (and ends on a short chunk)."""
@@ -51,7 +60,7 @@ def eager(x, w, t):
 
 @pytest.mark.parametrize("V", [101, 257])
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.float16, True), (torch.float16, False)])
-def test_matches_float64_reference(small_chunks, V, dtype, autocast):
+def test_matches_float64_reference(small_chunks, row_passes, V, dtype, autocast):
     x, w, t = data(23, 16, V)
     ref = loss_and_grads(eager, x, w, t, torch.float64, False)
     ours = loss_and_grads(linear_cross_entropy, x, w, t, dtype, autocast)
@@ -101,7 +110,7 @@ def reference_row(row, target, ignore=-1):
     return lse - row[target], [math.exp(v - lse) - (i == target) for i, v in enumerate(row)]
 
 
-def test_special_values_follow_the_rule():
+def test_special_values_follow_the_rule(row_passes):
     inf, nan = math.inf, math.nan
     V = 37
     base = [0.1 * ((7 * i) % 11) - 0.5 for i in range(V)]
