@@ -39,50 +39,44 @@ from .ops import fused_op
 
 CHUNK_LOGITS = 2 ** 27  # logits per chunk (256 MiB in bf16): few enough GEMMs, little memory
 BLOCK_V = 2048  # logits a program reads at a time (its registers hold one block)
-WARPS = 8
-PROGRAMS_PER_SM = None  # None: one program per row; else a grid-stride loop over rows with this many per SM
 
 
 @triton.jit
-def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, M, V, ignore_index,
+def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, V, ignore_index,
                           WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows pid, pid + programs, ...: each row's loss into loss_ptr[row]; with WRITE_GRAD its logits replaced by the
-    mean loss's gradient."""
+    """One row: its loss into loss_ptr[row]; with WRITE_GRAD its logits replaced by the mean loss's gradient."""
+    row = tl.program_id(0)
+    ptr = logits_ptr + row.to(tl.int64) * stride
     acc_dtype = tl.float64 if logits_ptr.dtype.element_ty == tl.float64 else tl.float32
     neg_inf = float("-inf")
-    scale = 1.0 / tl.load(count_ptr).to(acc_dtype)
-    first, programs = tl.program_id(0), tl.num_programs(0)
-    for i in range(0, tl.cdiv(M - first, programs)):
-        row = first.to(tl.int64) + i * programs
-        ptr = logits_ptr + row * stride
-        # Pass 1: each lane keeps a running max m and sum s of exp(x - m) over the blocks it sees (online, as in
-        # flash attention); a lane that has seen only -inf keeps s = 0 (exp(-inf - -inf) would be NaN).
-        m = tl.full([BLOCK], neg_inf, acc_dtype)
-        s = tl.zeros([BLOCK], acc_dtype)
+    # Pass 1: each lane keeps a running max m and sum s of exp(x - m) over the blocks it sees (online, as in flash
+    # attention); a lane that has seen only -inf keeps s = 0 (exp(-inf - -inf) would be NaN).
+    m = tl.full([BLOCK], neg_inf, acc_dtype)
+    s = tl.zeros([BLOCK], acc_dtype)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(ptr + cols, mask=cols < V, other=neg_inf).to(acc_dtype)
+        m_new = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
+        s = tl.where(m_new == neg_inf, 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
+        m = m_new
+    m_row = tl.where(tl.max((m != m).to(tl.int32), 0) > 0, float("nan"), tl.max(m, 0))  # (tl.max skips NaN)
+    s_row = tl.sum(tl.where(m == neg_inf, 0.0, s * tl.exp(m - m_row)), 0)
+    lse = tl.where(m_row == float("inf"), float("inf"), m_row + tl.log(s_row))
+
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < V)
+    x_target = tl.load(ptr + target, mask=in_range & ~ignored, other=0.0).to(acc_dtype)
+    tl.store(loss_ptr + row, tl.where(ignored, 0.0, tl.where(in_range, lse - x_target, float("nan"))))
+    if WRITE_GRAD:
+        # Pass 2: d(mean loss)/d(logit) = (softmax - one_hot(target)) / n; a +inf logit gives NaN (the rule above).
+        scale = 1.0 / tl.load(count_ptr).to(acc_dtype)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(ptr + cols, mask=cols < V, other=neg_inf).to(acc_dtype)
-            m_new = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
-            s = tl.where(m_new == neg_inf, 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
-            m = m_new
-        m_row = tl.where(tl.max((m != m).to(tl.int32), 0) > 0, float("nan"), tl.max(m, 0))  # (tl.max skips NaN)
-        s_row = tl.sum(tl.where(m == neg_inf, 0.0, s * tl.exp(m - m_row)), 0)
-        lse = tl.where(m_row == float("inf"), float("inf"), m_row + tl.log(s_row))
-
-        target = tl.load(targets_ptr + row).to(tl.int64)
-        ignored = target == ignore_index
-        in_range = (target >= 0) & (target < V)
-        x_target = tl.load(ptr + target, mask=in_range & ~ignored, other=0.0).to(acc_dtype)
-        tl.store(loss_ptr + row, tl.where(ignored, 0.0, tl.where(in_range, lse - x_target, float("nan"))))
-        if WRITE_GRAD:
-            # Pass 2, d(mean loss)/d(logit) = (softmax - one_hot(target)) / n; a +inf logit gives NaN (the rule
-            # above). The row is read again: from L2 when few enough rows are in flight (ROWS_IN_FLIGHT).
-            for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                x = tl.load(ptr + cols, mask=cols < V, other=0.0).to(acc_dtype)
-                grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-                grad = tl.where(ignored, 0.0, tl.where(lse == float("inf"), float("nan"), grad))
-                tl.store(ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < V)
+            x = tl.load(ptr + cols, mask=cols < V, other=0.0).to(acc_dtype)
+            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+            grad = tl.where(ignored, 0.0, tl.where(lse == float("inf"), float("nan"), grad))
+            tl.store(ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < V)
 
 
 def cross_entropy_rows(logits, targets, count, ignore_index, write_grad):
@@ -91,11 +85,8 @@ def cross_entropy_rows(logits, targets, count, ignore_index, write_grad):
     M, V = logits.shape
     loss = torch.empty(M, device=logits.device, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if M:
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 1
-        programs = M if PROGRAMS_PER_SM is None else min(M, PROGRAMS_PER_SM * sms)
-        _cross_entropy_kernel[(programs,)](logits, logits.stride(0), targets, loss, count, M, V, ignore_index,
-                                           WRITE_GRAD=write_grad, BLOCK=min(BLOCK_V, triton.next_power_of_2(V)),
-                                           num_warps=WARPS)
+        _cross_entropy_kernel[(M,)](logits, logits.stride(0), targets, loss, count, V, ignore_index,
+                                    WRITE_GRAD=write_grad, BLOCK=min(BLOCK_V, triton.next_power_of_2(V)), num_warps=8)
     return loss
 
 

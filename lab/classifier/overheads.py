@@ -1,7 +1,8 @@
 """Probe (issue 47, second round): what does the fused classifier spend beyond its three GEMMs and its row kernel?
 
 1. The row kernel alone at full M: programs per SM (a grid-stride loop, so that few rows are in flight and the
-   second read finds the row in L2), warps, block; a copy of the logits for the bandwidth.
+   second read finds the row in L2), warps, block; a copy of the logits for the bandwidth. The grid-stride option
+   lived in fused_ops/classifier.py at c297105 only (it gained nothing; removed after): the sweep runs where it exists.
 2. The operator's forward + backward under torch.profiler: every GPU kernel with its time, GPU busy against the span.
 3. GPU time two ways, fused and compiled eager: CUDA events around the call (the host's launch latency included
    where the GPU waits for it) and after a long sleep kernel (the host enqueues ahead: GPU time alone).
@@ -52,7 +53,7 @@ logits = logits0.clone()
 count = (t != -1).sum()
 bytes_ = 2 * logits.numel() * logits.element_size()
 sweep = []
-for per_sm in (None, 1, 2, 4, 8):
+for per_sm in ((None, 1, 2, 4, 8) if hasattr(classifier, "PROGRAMS_PER_SM") else ()):
     for warps in (4, 8, 16):
         for block in (1024, 2048, 4096):
             classifier.PROGRAMS_PER_SM, classifier.WARPS, classifier.BLOCK_V = per_sm, warps, block
@@ -65,10 +66,14 @@ sweep.sort(key=lambda r: r[0])
 print("--- the row kernel at full M, sorted: ms, GB/s (1 read + 1 write), programs per SM, warps, block, loss sum")
 for k, per_sm, warps, block, loss in sweep:
     print(f"  {k:.3f} ms {bytes_ / k / 1e6:6.0f} GB/s  per_sm={per_sm} warps={warps} block={block}  {loss:.4f}")
-best = sweep[0]
-classifier.PROGRAMS_PER_SM, classifier.WARPS, classifier.BLOCK_V = best[1], best[2], best[3]
-rows.append(("row kernel, best (the rest of this run uses it)", f"{best[0]:.3f} ms per_sm={best[1]} warps={best[2]} "
-             f"block={best[3]}"))
+if sweep:
+    best = sweep[0]
+    classifier.PROGRAMS_PER_SM, classifier.WARPS, classifier.BLOCK_V = best[1], best[2], best[3]
+    rows.append(("row kernel, best (the rest of this run uses it)", f"{best[0]:.3f} ms per_sm={best[1]} "
+                 f"warps={best[2]} block={best[3]}"))
+rows.append(("row kernel as the operator runs it",
+             f"{ms(lambda: classifier.cross_entropy_rows(logits, t, count, -1, True)):.3f} ms"))
+logits.copy_(logits0)
 copy = torch.empty_like(logits)
 rows.append(("copy of the logits (1 read + 1 write), for the bandwidth", f"{ms(lambda: copy.copy_(logits)):.3f} ms"))
 
