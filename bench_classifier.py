@@ -1,7 +1,8 @@
 """
 The classifier alone: LM head + cross-entropy (ignore_index=-1), forward + backward, on one GPU. GPU time (CUDA events
-around each call, median of rounds x repeats, the variants' order alternated between rounds) and the peak memory above
-the inputs, for eager PyTorch (the cross-entropy in fp32, as under autocast), torch.compile of it, our fused operator
+around each call, the GPU held by a sleep kernel while the host enqueues it; a variant that waits on the GPU inside
+the call pays its gaps), median of rounds x repeats, the variants' order alternated between rounds; and the peak
+memory above the inputs, for eager PyTorch (the cross-entropy in fp32, as under autocast), torch.compile of it, our fused operator
 (fused_ops/classifier.py), and where installed Liger-Kernel's fused linear cross-entropy and Cut Cross-Entropy
 (their defaults). The last column: each variant's x gradient against eager's (relative L2 difference).
 
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import errors
+
+SLEEP_CYCLES = 20_000_000  # ~10 ms at the H100's or H200's clock: longer than any variant's host time per call
 
 
 def variants():
@@ -54,9 +57,12 @@ def call(fn, x, w, t):
 
 
 def time_ms(fn, x, w, t, repeats):
+    """GPU time of one call: a sleep kernel first holds the GPU while the host enqueues the call, so that the host's
+    launch latency (which differs between variants and machines) is not counted."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
         start.record()
         call(fn, x, w, t)
         end.record()
