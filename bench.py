@@ -11,8 +11,8 @@ must agree. A step: forward, backward, AdamW over gradient_accumulation_steps mi
 tokens/s, MFU, peak GPU memory (allocated; reserved holds CUDA graphs' pools). Writes JSON, CSV and a PNG to --out
 (default out-bench/bench_<config>.*; results/ holds what the docs cite, only with --out=results/...). --compile takes
 a torch.compile mode too. --mlps=fp8: the fused MLP in FP8; torchao: the eager MLP through torchao's float8 (where
-installed); +cls (fused+cls) adds the fused classifier. --rounds=N builds every variant first, then times them in N
-rounds reversing their order (a process's first variant can run slower: results/bench_gpt2_124m_uncompiled_orders_h100.txt):
+installed); +cls adds the fused classifier (fused+cls), +cls8 its FP8 form. --rounds=N builds every variant, then
+times them in N rounds, the order reversed each time (a first variant can run slower: results/bench_gpt2_124m_uncompiled_orders_h100.txt):
 
     python bench.py configs/gpt2_124m.py --compile=False --rounds=4 --steps=10
 
@@ -60,8 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda, cuda:1 or cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     ap.add_argument("--mlps", default="eager,fused",
-                    help="of eager, fused, auto, fp8 (fused in FP8), torchao (the eager MLP's Linears through "
-                         "torchao's float8 training, where installed); +cls adds the fused classifier (fused+cls)")
+                    help="of eager, fused, auto, fp8 (fused in FP8), torchao (the eager MLP's Linears through torchao's "
+                         "float8 training, where installed); +cls adds the fused classifier, +cls8 its FP8 form")
     ap.add_argument("--compile", default="False,True",
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
                          "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
@@ -91,11 +91,11 @@ def parse_args(argv=None):
     if args.dtype not in (None, "bfloat16", "float16", "float32"):
         raise errors.UsageError(f"--dtype={args.dtype}: expected bfloat16, float16 or float32")
     dtype, mlps = str(pick_dtype(args)).removeprefix("torch."), args.mlps.split(",")
-    for mlp in (m.removesuffix("+cls") for m in mlps):  # every variant checked before the first one is timed
+    for mlp in (m.partition("+cls")[0] for m in mlps):  # every variant checked before the first one is timed
         if mlp not in MLPS:
             raise errors.UsageError(f"--mlps={args.mlps}: {mlp!r} is not one of {', '.join(MLPS)}")
         runtime.check_interpreter_dtype("fused" if mlp == "fp8" else mlp, args.device, dtype, f"--mlps={mlp}")
-    runtime.check_fp8("fp8" in mlps, args.device, dtype, "--mlps=fp8", "leave fp8 out of --mlps")
+    runtime.check_fp8(any("fp8" in m or "cls8" in m for m in mlps), args.device, dtype, "--mlps=fp8", "leave fp8 out")
     return args
 
 
@@ -127,8 +127,9 @@ def compile_setting(text):
 
 def parse_variant(text):
     """A lab probe's variant name ("fused", "fp8+compile", "fused+cls+reduce-overhead") as (mlp, compile setting)."""
-    mlp, _, mode = text.replace("+cls", "").partition("+")
-    return mlp + ("+cls" if "+cls" in text else ""), compile_setting({"": "False", "compile": "True"}.get(mode, mode))
+    cls = "+cls8" if "+cls8" in text else "+cls" if "+cls" in text else ""
+    mlp, _, mode = text.replace(cls, "").partition("+")
+    return mlp + cls, compile_setting({"": "False", "compile": "True"}.get(mode, mode))
 
 
 def setup(args):
@@ -147,10 +148,10 @@ def label(row):
 
 
 def make_step(model_args, state, mlp, compiled, batches, args, dtype):
-    """(model, step): the model built from `state` for one variant, and step(i), one training step on
-    batches[i % len(batches)] that returns the last micro-batch's loss tensor (no synchronization)."""
+    """(model, step): one variant's model from `state`; step(i) trains on batches[i % len(batches)], no sync."""
     torch.manual_seed(0)
-    mlp, classifier = mlp.removesuffix("+cls"), "fused" if mlp.endswith("+cls") else "eager"
+    mlp, cls, eight = mlp.partition("+cls")
+    classifier = "fp8" if eight == "8" else "fused" if cls else "eager"
     fp8 = mlp == "fp8"  # the fused MLP with its GEMMs in FP8 (fused_ops/fp8.py)
     kind = "fused" if fp8 else "eager" if mlp == "torchao" else mlp
     model = GPT(GPTConfig(mlp=kind, fp8=fp8, dropout=0.0, classifier=classifier, **model_args)).to(args.device)
@@ -224,8 +225,7 @@ def out_of_memory_says(mlp, compiled):
 
 
 def start_variant(model_args, state, mlp, compiled, batches, args, dtype):
-    """Build one variant and run its warm-up steps: the first losses, and the seconds from building the model to
-    the end of its first step (compilation, tuning, CUDA graphs: start-up)."""
+    """Build a variant, run its warm-up: (first losses, seconds from building to the end of its first step)."""
     if args.device.startswith("cuda"):  # blocks cached by earlier variants would count in this one's reserved peak
         gc.collect()
         torch.cuda.empty_cache()

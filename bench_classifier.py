@@ -3,7 +3,7 @@ The classifier alone: LM head + cross-entropy (ignore_index=-1), forward + backw
 around each call, the GPU held by a sleep kernel while the host enqueues it; a variant that waits on the GPU inside
 the call pays its gaps), median of rounds x repeats, the variants' order alternated between rounds; and the peak
 memory above the inputs, for eager PyTorch (the cross-entropy in fp32, as under autocast), torch.compile of it, our fused operator
-(fused_ops/classifier.py), and where installed Liger-Kernel's fused linear cross-entropy and Cut Cross-Entropy
+(fused_ops/classifier.py) and its FP8 form on FP8 GPUs, and where installed Liger-Kernel's fused linear cross-entropy and Cut Cross-Entropy
 (their defaults). The last column: each variant's x gradient against eager's (relative L2 difference).
 
     python bench_classifier.py [--shapes=12288x768x50304,8192x2048x128256] [--rounds=4] [--out=FILE.json]
@@ -28,6 +28,8 @@ def variants():
         return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-1)
 
     out = {"eager": eager, "compile": torch.compile(eager), "fused": fused_ops.linear_cross_entropy}
+    if fused_ops.fp8_supported(torch.device("cuda")):
+        out["fp8"] = fused_ops.fp8_linear_cross_entropy  # (not held to eager's dx: FP8 has its own rule)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-1)

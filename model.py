@@ -32,7 +32,7 @@ GATED_ACTIVATIONS = {
     "sigmoid_tanh": lambda gate, up: torch.sigmoid(gate) * torch.tanh(up),
 }
 MLP_KINDS = ("eager", "fused", "auto")
-CLASSIFIER_KINDS = ("eager", "fused")
+CLASSIFIER_KINDS = ("eager", "fused", "fp8")
 
 
 @dataclass
@@ -48,7 +48,7 @@ class GPTConfig:
     activation: str = "gelu"  # a key of PLAIN_ACTIVATIONS or GATED_ACTIVATIONS
     fuse_ln: bool = False  # fold each block's second LayerNorm into the fused MLP's first matmul
     fp8: bool = False  # train the fused MLP's GEMMs in FP8 (fused_ops/fp8.py); never chosen by "auto"
-    classifier: str = "eager"  # "eager" | "fused": LM head + cross-entropy as one operator (fused_ops/classifier.py)
+    classifier: str = "eager"  # "eager" | "fused" (LM head + cross-entropy as one operator) | "fp8" (its FP8 form)
 
     def __post_init__(self):
         if self.mlp not in MLP_KINDS:
@@ -72,6 +72,9 @@ class GPTConfig:
         if self.fp8 and (self.n_embd % 16 or self.mlp_hidden % 16):
             raise ValueError(f"config key 'fp8' needs n_embd ({self.n_embd}) and the MLP's hidden size "
                              f"({self.mlp_hidden}) to be multiples of 16 (FP8 GEMMs take them so)")
+        if self.classifier == "fp8" and (self.n_embd % 16 or self.vocab_size % 16):
+            raise ValueError(f"config key 'classifier'='fp8' needs n_embd ({self.n_embd}) and vocab_size "
+                             f"({self.vocab_size}) to be multiples of 16 (FP8 GEMMs take them so): use 'fused'")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"config key 'n_embd' ({self.n_embd}) must be divisible by 'n_head' ({self.n_head})")
 
@@ -247,8 +250,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         # the fused classifier: the loss and its gradients without the logits (only where there are targets)
-        self.fused_classifier = import_fused_ops(required=True).linear_cross_entropy \
-            if config.classifier == "fused" else None
+        fused_ops = import_fused_ops(required=True) if config.classifier != "eager" else None
+        self.fused_classifier = fused_ops and {"fused": fused_ops.linear_cross_entropy,
+                                               "fp8": fused_ops.fp8_linear_cross_entropy}[config.classifier]
         self.apply(self._init_weights)
         # GPT-2's scaled init: each residual projection adds to the stream, so shrink it by sqrt(2 * n_layer).
         for name, p in self.named_parameters():

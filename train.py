@@ -49,8 +49,9 @@ def main(argv=None):
     dtype = runtime.precision(cfg["dtype"], device.split(":")[0])[0]  # (what "auto" is here)
     runtime.check_fp8(cfg["fp8"], device, dtype)  # before any data is prepared; before check_mlp, which it implies
     runtime.check_mlp(cfg["mlp"], device)
-    runtime.check_mlp("fused" if cfg["classifier"] == "fused" else "eager", device, source="--classifier=fused",
-                      instead="use --classifier=eager")
+    runtime.check_mlp("fused" if cfg["classifier"] != "eager" else "eager", device,
+                      source=f"--classifier={cfg['classifier']}", instead="use --classifier=eager")
+    runtime.check_fp8(cfg["classifier"] == "fp8", device, dtype, "--classifier=fp8", "use --classifier=fused")
     runtime.check_interpreter_dtype(cfg["mlp"], device, dtype)
     check_wandb(cfg)
     if ddp:

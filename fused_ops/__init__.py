@@ -27,7 +27,8 @@ Then, above the core:
     take over after one FallbackWarning (FUSED_OPS_PINGPONG=0 turns it off).
 12. fp8/: the opt-in FP8 MLP. kernels.py: delayed per-tensor scales (the recipe), the casts and the Triton
     epilogues (off Hopper) that write the FP8 copies; state.py: FP8State; hopper.py: on Hopper the ping-pong
-    kernel's FP8 main loops and epilogues (FP8_IN, FP8_OUT); autograd.py runs it, outside torch.compile and inside.
+    kernel's FP8 main loops and epilogues (FP8_IN, FP8_OUT); autograd.py runs it, outside torch.compile and inside;
+    classifier.py: the classifier's FP8 form (classifier="fp8"), its logits' and dx's GEMMs in FP8.
 13. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
     shape, so its dozen launches cost one (FUSED_OPS_GRAPHS=0 turns them off: they keep memory).
 14. precompile.py: with a cold Triton cache, a child process compiles the MLP's kernels while the run starts up
@@ -42,12 +43,12 @@ from .mlp import (FusedMLPFunction, LinearActFunction, check_mlp_args, fused_mlp
                   layers_as_function, linear_act)
 from .classifier import linear_cross_entropy
 from . import hopper  # noqa: F401  (after the core: registers the Hopper kernels with backends)
-from .fp8 import FP8State, check_fp8_device, fp8_layers_as_function, fp8_mlp, fp8_supported
+from .fp8 import FP8State, check_fp8_device, fp8_layers_as_function, fp8_linear_cross_entropy, fp8_mlp, fp8_supported
 from .graphs import MLPGraphs, graphs_usable
 from .layers import AutoMLP, FP8MLP, FusedMLP, fp8_graphs_usable
 
 __all__ = [
-    "GATED", "PLAIN", "kernel_activations", "FP8State", "check_fp8_device", "fp8_graphs_usable", "fp8_layers_as_function", "fp8_mlp", "fp8_supported",
+    "GATED", "PLAIN", "kernel_activations", "FP8State", "check_fp8_device", "fp8_graphs_usable", "fp8_layers_as_function", "fp8_linear_cross_entropy", "fp8_mlp", "fp8_supported",
     "MLPGraphs", "graphs_usable",
     "linear_act_dgrad", "linear_act_forward", "FusedMLPFunction", "LinearActFunction", "check_mlp_args", "fused_mlp", "fused_mlp_layers", "kernels_can_run",
     "linear_act", "layers_as_function", "linear_cross_entropy", "AutoMLP", "FP8MLP", "FusedMLP",

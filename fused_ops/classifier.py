@@ -34,17 +34,25 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import env
+from .casts import quantize
 from .mlp import kernels_can_run
 from .ops import fused_op
 
 CHUNK_LOGITS = 2 ** 27  # logits per chunk (256 MiB in bf16): few enough GEMMs, little memory
 BLOCK_V = 2048  # logits a program reads at a time (its registers hold one block)
+# The FP8 form's gradient (fp8/classifier.py): softmax - one_hot lies in [-1, 1], so one fixed power of two puts it
+# in e5m2's range with nothing that matters underflowing (a probability p >= 2^-29 stays normal): no amax needed.
+GRAD8_SCALE = 2.0 ** 15
+_TL_DTYPES = {torch.float8_e5m2: tl.float8e5, torch.float8_e4m3fn: tl.float8e4nv}
 
 
 @triton.jit
-def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, V, ignore_index,
-                          WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: its loss into loss_ptr[row]; with WRITE_GRAD its logits replaced by the mean loss's gradient."""
+def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, grad8_ptr, V, ignore_index,
+                          WRITE_GRAD: tl.constexpr, GRAD8: tl.constexpr, GRAD8_SCALE: tl.constexpr,
+                          EMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: its loss into loss_ptr[row]; with WRITE_GRAD its logits replaced by the mean loss's gradient, and
+    with GRAD8 (an FP8 dtype) also softmax - one_hot, times GRAD8_SCALE, quantized into grad8_ptr's row."""
     row = tl.program_id(0)
     ptr = logits_ptr + row.to(tl.int64) * stride
     acc_dtype = tl.float64 if logits_ptr.dtype.element_ty == tl.float64 else tl.float32
@@ -74,19 +82,27 @@ def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, 
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(ptr + cols, mask=cols < V, other=0.0).to(acc_dtype)
-            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-            grad = tl.where(ignored, 0.0, tl.where(lse == float("inf"), float("nan"), grad))
+            p = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+            p = tl.where(ignored, 0.0, tl.where(lse == float("inf"), float("nan"), p))
+            grad = tl.where(ignored, 0.0, p * scale)  # (every target ignored: scale = 1/0)
             tl.store(ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < V)
+            if GRAD8 is not None:
+                tl.store(grad8_ptr + row.to(tl.int64) * V + cols, quantize(p, GRAD8_SCALE, GRAD8, EMULATE),
+                         mask=cols < V)
 
 
-def cross_entropy_rows(logits, targets, count, ignore_index, write_grad):
+def cross_entropy_rows(logits, targets, count, ignore_index, write_grad, grad8=None, grad8_scale=GRAD8_SCALE):
     """Each row's loss (float32, or float64 for float64 logits); with write_grad the logits are overwritten by the
-    gradient of sum(losses) / count (count: a 0-d tensor on the logits' device, so no host sync)."""
+    gradient of sum(losses) / count (count: a 0-d tensor on the logits' device, so no host sync), and grad8 (a
+    contiguous FP8 tensor of the logits' shape, or None) gets (softmax - one_hot) · grad8_scale."""
     M, V = logits.shape
     loss = torch.empty(M, device=logits.device, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if M:
-        _cross_entropy_kernel[(M,)](logits, logits.stride(0), targets, loss, count, V, ignore_index,
-                                    WRITE_GRAD=write_grad, BLOCK=min(BLOCK_V, triton.next_power_of_2(V)), num_warps=8)
+        _cross_entropy_kernel[(M,)](logits, logits.stride(0), targets, loss, count, logits if grad8 is None else grad8,
+                                    V, ignore_index, WRITE_GRAD=write_grad,
+                                    GRAD8=None if grad8 is None else _TL_DTYPES[grad8.dtype], GRAD8_SCALE=grad8_scale,
+                                    EMULATE=env.INTERPRET,
+                                    BLOCK=min(BLOCK_V, triton.next_power_of_2(V)), num_warps=8)
     return loss
 
 
@@ -142,29 +158,35 @@ def _(x, weight, targets, ignore_index, dtype, grad):
             weight.new_empty(weight.shape) if grad else x.new_empty(0))
 
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """The forward computes the loss and, while the logits are at hand, dx and dW; the backward scales them."""
+def loss_function(op):
+    """The autograd.Function over op (this module's operator, or its FP8 form): the forward computes the loss and,
+    while the logits are at hand, dx and dW; the backward only scales them."""
 
-    @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index, dtype):
-        loss, dx, dw = linear_cross_entropy_op(x, weight, targets, ignore_index, dtype, True)
-        ctx.save_for_backward(dx, dw)
-        return loss
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, targets, ignore_index, dtype):
+            loss, dx, dw = op(x, weight, targets, ignore_index, dtype, True)
+            ctx.save_for_backward(dx, dw)
+            return loss
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        dx, dw = ctx.saved_tensors
-        if dx.dtype == dw.dtype:  # one vectorized launch for both (a 0-d tensor broadcast alone is a slow kernel)
-            dx, dw = torch._foreach_mul((dx, dw), grad_loss.to(dx.dtype))
-        else:
-            dx, dw = dx * grad_loss.to(dx.dtype), dw * grad_loss.to(dw.dtype)
-        return dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None, None, None
+        @staticmethod
+        def backward(ctx, grad_loss):
+            dx, dw = ctx.saved_tensors
+            if dx.dtype == dw.dtype:  # one vectorized launch for both (a 0-d tensor broadcast alone is a slow kernel)
+                dx, dw = torch._foreach_mul((dx, dw), grad_loss.to(dx.dtype))
+            else:
+                dx, dw = dx * grad_loss.to(dx.dtype), dw * grad_loss.to(dw.dtype)
+            return dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None, None, None
+
+    return Function
 
 
-def linear_cross_entropy(x, weight, targets, ignore_index=-1):
-    """F.cross_entropy(x @ weight.T, targets, ignore_index=ignore_index) (the mean over targets not ignored), without
-    storing the logits. x: (..., C); weight: (V, C); targets: x's leading shape. Under autocast the GEMMs run in
-    autocast's dtype, as nn.Linear's would; x and weight keep their dtypes, and so do their gradients."""
+LinearCrossEntropyFunction = loss_function(linear_cross_entropy_op)
+
+
+def run_classifier(function, x, weight, targets, ignore_index):
+    """The argument checks, then function.apply where a gradient is wanted, else the operator without grad (the loss
+    alone; this module's, the FP8 form's too)."""
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"weight must be (vocab, {x.shape[-1]}) for x of shape {tuple(x.shape)}, got "
                          f"{tuple(weight.shape)}")
@@ -178,7 +200,14 @@ def linear_cross_entropy(x, weight, targets, ignore_index=-1):
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
     x2, t = x.reshape(-1, x.shape[-1]), targets.reshape(-1).contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        loss = LinearCrossEntropyFunction.apply(x2, weight, t, ignore_index, dtype)
+        loss = function.apply(x2, weight, t, ignore_index, dtype)
     else:
         loss = linear_cross_entropy_op(x2, weight, t, ignore_index, dtype, False)[0]
     return loss if autocast else loss.to(dtype)  # the dtype F.cross_entropy's loss has (fp32 under autocast)
+
+
+def linear_cross_entropy(x, weight, targets, ignore_index=-1):
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=ignore_index) (the mean over targets not ignored), without
+    storing the logits. x: (..., C); weight: (V, C); targets: x's leading shape. Under autocast the GEMMs run in
+    autocast's dtype, as nn.Linear's would; x and weight keep their dtypes, and so do their gradients."""
+    return run_classifier(LinearCrossEntropyFunction, x, weight, targets, ignore_index)

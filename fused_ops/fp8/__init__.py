@@ -1,4 +1,5 @@
-"""The FP8 MLP (opt-in, model.py's fp8=True): all six of the MLP's GEMMs in FP8, built on the core and on hopper/.
+"""The FP8 MLP (opt-in, model.py's fp8=True): all six of the MLP's GEMMs in FP8, built on the core and on hopper/;
+and the classifier's FP8 form (classifier.py, model.py's classifier="fp8").
 
 Reading order: kernels.py (the recipe in its docstring, then the Triton kernels and their launchers), state.py
 (FP8State: the delayed scales and the weights' FP8 copies; the device checks), hopper.py (the ping-pong kernel's FP8
@@ -8,8 +9,9 @@ The arrows point one way: fp8/ imports the core and hopper/, neither of them imp
 """
 
 from .autograd import fp8_layers_as_function, fp8_mlp
+from .classifier import fp8_linear_cross_entropy
 from .kernels import E4M3, E5M2, FP8_MAX, GRAD_Y, GRAD_Z, H, SLOT_DTYPES, X
 from .state import FP8State, check_fp8_device, fp8_supported
 
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "GRAD_Y", "GRAD_Z", "H", "SLOT_DTYPES", "X", "FP8State", "check_fp8_device",
-           "fp8_layers_as_function", "fp8_mlp", "fp8_supported"]
+           "fp8_layers_as_function", "fp8_linear_cross_entropy", "fp8_mlp", "fp8_supported"]
