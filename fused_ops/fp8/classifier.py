@@ -12,9 +12,9 @@ Per chunk of rows, as in ../classifier.py:
 Why these choices:
 - The gradient needs no amax. softmax - one_hot lies in [-1, 1] whatever the logits, so one fixed power of two
   (GRAD8_SCALE) fills e5m2's range; the row kernel quantizes as it writes, with no history and no second pass.
-- x and W use current scaling (their own amax, state.quantize_current / quantize_weight), not the MLP's delayed
-  scales: x is M x C and W is V x C, small next to the M x V logits, so the amax read costs little (~0.03 ms at
-  GPT-2 small's size), and there is no state to keep, per process under torchrun or across CUDA graphs.
+- x and W use current scaling (their own amax; kernels.quantize_weight_fused: an amax, one cast pass, one
+  transposing pass), not the MLP's delayed scales: x is M x C and W is V x C, small next to the M x V logits, so
+  the extra read costs little, and there is no state to keep, per process under torchrun or across CUDA graphs.
 - dW stays in 16 bits: in FP8 it would reduce over the tokens, which Hopper's FP8 GEMMs need contiguous, i.e.
   dlogits transposed: one more pass over the largest tensor of the step.
 - Without grad (evaluation, sampling) the 16-bit operator runs, as the FP8 MLP does: evaluation losses stay
@@ -29,8 +29,8 @@ from torch import Tensor
 
 from .. import classifier as core
 from ..ops import fused_op
-from .kernels import E5M2
-from .state import check_fp8_device, quantize_current, quantize_weight
+from .kernels import E5M2, quantize_weight_fused
+from .state import check_fp8_device
 
 
 @fused_op("fp8_linear_cross_entropy")
@@ -40,8 +40,8 @@ def fp8_linear_cross_entropy_op(x: Tensor, weight: Tensor, targets: Tensor, igno
     if not grad:
         return core.linear_cross_entropy_op(x, weight, targets, ignore_index, dtype, False)
     M, V = x.shape[0], weight.shape[0]
-    x8, inv_x = quantize_current(x)
-    w8, w8t, inv_w = quantize_weight(weight)
+    x8, _, inv_x = quantize_weight_fused(x)  # (its transposed copy unused: M x C bytes)
+    w8, w8t, inv_w = quantize_weight_fused(weight)
     xc = x.to(dtype)
     count = (targets != ignore_index).sum()
     # g8's scale and the mean's 1/n in one (no target kept: g8 is all zeros, any finite scale will do)

@@ -163,23 +163,17 @@ def _captured(remake, where, device):
         return None
 
 
-def quantize_current(t):
-    """(fp8(t · scale) in e4m3, 1/scale), current scaling: the scale from t's own amax."""
-    t = t.detach().float()
-    amax = t.abs().amax()
-    # (a tensor over a tensor: a float over a tensor is computed as float · (1/tensor), one rounding more than
-    # weight_scale_kernel's division, and the compiled and uncompiled paths must agree bit for bit)
-    scale = torch.where((amax > 0) & amax.isfinite(), amax.new_tensor(FP8_MAX[E4M3]) / amax, torch.ones_like(amax))
-    q = (t * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3])
-    q = torch.where(t.isinf(), float("nan"), q).to(E4M3)  # ±inf: NaN, as in the kernels
-    return q, scale.reciprocal().reshape(1)
-
-
 def quantize_weight(w):
     """(fp8(W · scale) in e4m3, the same transposed and contiguous, 1/scale), current scaling: both copies, since
     each GEMM takes its operands K-major (the forward W, the input gradient's Wᵀ)."""
-    q, inv = quantize_current(w)
-    return q, q.t().contiguous(), inv
+    w = w.detach().float()
+    amax = w.abs().amax()
+    # (a tensor over a tensor: a float over a tensor is computed as float · (1/tensor), one rounding more than
+    # weight_scale_kernel's division, and the compiled and uncompiled paths must agree bit for bit)
+    scale = torch.where((amax > 0) & amax.isfinite(), amax.new_tensor(FP8_MAX[E4M3]) / amax, torch.ones_like(amax))
+    q = (w * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3])
+    q = torch.where(w.isinf(), float("nan"), q).to(E4M3)  # ±inf: NaN, as in the kernels
+    return q, q.t().contiguous(), scale.reciprocal().reshape(1)
 
 
 def _set_current_scale(state, slot, t=None):
