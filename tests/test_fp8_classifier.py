@@ -113,6 +113,20 @@ def test_ignored_targets_and_no_grad(small_chunks):
         assert torch.equal(fp8_linear_cross_entropy(x.float(), w.float(), t), linear_cross_entropy(x.float(), w.float(), t))
 
 
+def test_special_values(small_chunks):
+    """NaN in x, or +inf (NaN once quantized: the module's rule), makes the mean loss NaN and the gradients NaN
+    where they meet it; finite inputs give finite ones."""
+    x, w, t = data(23, 32, 64)
+    for bad in (math.nan, math.inf):
+        x_bad = x.float().clone()
+        x_bad[3, 5] = bad
+        loss, dx, dw, *_ = ours(x_bad, w, t, torch.float32, False)
+        assert math.isnan(loss.item()), bad
+        assert dx.isnan().any() and dw.isnan().any(), bad
+    loss, dx, dw, *_ = ours(x, w, t, torch.float32, False)
+    assert math.isfinite(loss.item()) and dx.isfinite().all() and dw.isfinite().all()
+
+
 def test_errors_name_the_argument():
     x, w, t = data(4, 32, 64)
     with pytest.raises(ValueError, match="multiples of 16"):
