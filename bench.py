@@ -20,9 +20,8 @@ times them in N rounds, the order reversed each time (a first variant can run sl
 
     python bench.py configs/gpt2_124m.py --gpus=1,2,4 --mlps=eager,fused,fp8 --compile=reduce-overhead --rounds=2
 
---mlp_widths times the MLP alone (bench_mlp.py): per width C and activation, eager, fused and compiled, forward and
-forward+backward ms and % of the matmul floor (measured peak); on a GPU also forward+backward as one CUDA graph. Tokens
-per width: 12288 for 768, 16384 for 1024, 8192 above (--mlp_tokens). Default out: out-bench/bench_mlp_widths.*
+--mlp_widths times the MLP alone (bench_mlp.py) per width C and activation: eager, fused, compiled, their ms and % of the
+matmul floor (a GPU: also as one CUDA graph); tokens 12288 at 768, 16384 at 1024, else 8192 (--mlp_tokens).
 """
 
 import contextlib
@@ -95,7 +94,8 @@ def parse_args(argv=None):
         if mlp not in MLPS:
             raise errors.UsageError(f"--mlps={args.mlps}: {mlp!r} is not one of {', '.join(MLPS)}")
         runtime.check_interpreter_dtype("fused" if mlp == "fp8" else mlp, args.device, dtype, f"--mlps={mlp}")
-    runtime.check_fp8(any("fp8" in m or "cls8" in m for m in mlps), args.device, dtype, "--mlps=fp8", "leave fp8 out")
+    runtime.check_fp8(any("fp8" in m or "cls8" in m for m in mlps), args.device, dtype, "--mlps=fp8",
+                      "leave fp8 out of --mlps")
     return args
 
 

@@ -59,7 +59,9 @@ def eager(x, w, t):
 
 @pytest.mark.parametrize("V", [101, 257])
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.float16, True), (torch.float16, False)])
-def test_matches_float64_reference(small_chunks, row_passes, V, dtype, autocast):
+def test_matches_float64_reference(small_chunks, V, dtype, autocast, monkeypatch):
+    if V == 257:  # the row in several blocks: the online max and sum across them
+        monkeypatch.setattr(classifier, "BLOCK_V", 64)
     x, w, t = data(23, 16, V)
     ref = loss_and_grads(eager, x, w, t, torch.float64, False)
     ours = loss_and_grads(linear_cross_entropy, x, w, t, dtype, autocast)

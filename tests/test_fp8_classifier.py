@@ -16,6 +16,7 @@ from fused_ops.classifier import linear_cross_entropy
 from fused_ops.fp8 import E4M3, E5M2, FP8_MAX, fp8_linear_cross_entropy
 from model import GPT, GPTConfig
 from tests.numerics import EPS, rel_err
+from tests.test_classifier import data  # (float64 x, W, targets with every 7th ignored)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -25,15 +26,6 @@ needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.g
 @pytest.fixture
 def small_chunks(monkeypatch):
     monkeypatch.setattr(classifier, "CHUNK_LOGITS", 5 * 64)
-
-
-def data(M, C, V, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, C, generator=g, dtype=torch.float64)
-    w = torch.randn(V, C, generator=g, dtype=torch.float64) / math.sqrt(C)
-    t = torch.randint(0, V, (M,), generator=g)
-    t[::7] = -1
-    return x.to(device), w.to(device), t.to(device)
 
 
 def dequantized(v):
