@@ -10,13 +10,14 @@ not ignored. So, llm.c's classifier and Liger's fused linear cross-entropy, in c
 1. logits = x_chunk @ W.T, one cuBLAS GEMM into a chunk-sized buffer (in the compute dtype: bf16 under autocast);
 2. one Triton kernel per row (below) reads the row twice: first its running max and sum of exponentials (the
    log-sum-exp, online as in flash attention), then it writes the gradient of the mean loss over the logits, in
-   place, and the row's loss;
+   place, and the row's loss (for the FP8 form, fp8/classifier.py, also softmax - one_hot in e5m2 beside them);
 3. dx_chunk = dlogits @ W and dW += dlogits.T @ x_chunk, two more GEMMs (dW accumulated in fp32).
 
 All of it happens in the forward, where the logits are at hand; the backward only scales dx and dW by the loss's
 incoming gradient (1 in training). The logits never exist at full size, in any dtype: the memory above the inputs
 is one chunk of logits, dx and the fp32 dW. Without grad (evaluation), step 3 is skipped and the kernel writes
 only the losses. `chunk_rows` picks the chunk: about 2^27 logits (256 MiB in bf16), cut into equal chunks.
+Where its time goes against the floor (the GEMMs, one read and one write of the logits): docs/performance.md.
 
 Targets equal to `ignore_index` (-1, nanoGPT's) count for neither the loss nor n; if every target is ignored the
 mean is 0/0 = NaN, as F.cross_entropy's. A target outside [0, V) that is not ignore_index gives a NaN loss
