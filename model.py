@@ -249,10 +249,12 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
-        # the fused classifier: the loss and its gradients without the logits (only where there are targets)
-        fused_ops = import_fused_ops(required=True) if config.classifier != "eager" else None
-        self.fused_classifier = fused_ops and {"fused": fused_ops.linear_cross_entropy,
-                                               "fp8": fused_ops.fp8_linear_cross_entropy}[config.classifier]
+        # the fused classifier or its FP8 form: the loss and its gradients without the logits (only with targets)
+        self.fused_classifier = None
+        if config.classifier != "eager":
+            fused_ops = import_fused_ops(required=True)
+            self.fused_classifier = (fused_ops.fp8_linear_cross_entropy if config.classifier == "fp8"
+                                     else fused_ops.linear_cross_entropy)
         self.apply(self._init_weights)
         # GPT-2's scaled init: each residual projection adds to the stream, so shrink it by sqrt(2 * n_layer).
         for name, p in self.named_parameters():

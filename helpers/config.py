@@ -59,7 +59,7 @@ DEFAULTS = dict(
     activation="gelu",  # gelu, gelu_tanh, relu, relu2 | gated: swiglu, geglu, geglu_tanh, sigmoid_tanh
     fuse_ln=False,  # fold each block's second LayerNorm into the fused MLP (mlp="fused" or "auto")
     fp8=False,  # FP8 GEMMs in the fused MLP (mlp="fused", an Ada or Hopper GPU): fused_ops/fp8.py
-    classifier="eager",  # "eager" | "fused": LM head + cross-entropy as one operator (fused_ops/classifier.py) | "fp8"
+    classifier="eager",  # "eager" | "fused" (LM head + cross-entropy as one operator) | "fp8" (its FP8 form)
     vocab_size=None,  # None: the dataset's vocabulary size
     # AdamW
     learning_rate=6e-4,  # the peak, after warmup
