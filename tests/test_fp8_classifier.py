@@ -198,3 +198,11 @@ def test_the_gpt_in_every_compile_mode_on_the_gpu(mode):
         losses[kind] = train(model, idx, 8, "cuda", torch.bfloat16, compiled, mode)
     assert losses["fp8"][-1] < losses["fp8"][0] - 0.5, losses
     assert losses["fp8"] == pytest.approx(losses["eager"], rel=5e-2), losses
+
+
+def test_bench_names_the_fp8_classifier_variants():
+    """bench.py's and the lab probes' variant names: +cls8 picks the FP8 form, +cls the 16-bit one."""
+    import bench
+    assert bench.parse_variant("fp8+cls8+reduce-overhead") == ("fp8+cls8", "reduce-overhead")
+    assert bench.parse_variant("fused+cls+compile") == ("fused+cls", True)
+    assert bench.parse_variant("eager") == ("eager", False)
