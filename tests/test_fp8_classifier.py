@@ -18,7 +18,6 @@ from model import GPT, GPTConfig
 from tests.numerics import EPS, rel_err
 from tests.test_classifier import data  # (float64 x, W, targets with every 7th ignored)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                    reason="needs FP8 tensor cores")
 
