@@ -31,8 +31,10 @@ GRAD_STEPS = 4  # under CUDA graphs: a warm-up run, the capture, then replays
 
 
 def model_config(mlp, fp8=False):
+    """mlp as bench.py names variants: "eager", "fused", with "+cls" the fused classifier, "+cls8" its FP8 form."""
+    mlp, cls, eight = mlp.partition("+cls")
     return GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=128, mlp=mlp, fp8=fp8,
-                     dropout=0.0, bias=True)
+                     dropout=0.0, bias=True, classifier="fp8" if eight == "8" else "fused" if cls else "eager")
 
 
 def micro_batch(step, index, device):
