@@ -6,24 +6,11 @@ GPU time, CUDA events, medians of 20.
 """
 
 import argparse
-import statistics
 
 import torch
 
 from fused_ops import classifier
-
-
-def ms(fn, n=20):
-    fn()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from lab.classifier.measure import ms
 
 
 p = argparse.ArgumentParser()

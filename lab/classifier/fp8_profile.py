@@ -7,6 +7,7 @@ GPT-2 small's shape, bf16 inputs, forward + backward under torch.profiler, ms pe
 import torch
 
 import fused_ops
+from lab.classifier.measure import kernel_table
 
 M, C, V = 12288, 768, 50304
 x = (torch.randn(M, C, device="cuda") * 0.5).bfloat16().requires_grad_()
@@ -16,20 +17,4 @@ for name, fn in (("fused", fused_ops.linear_cross_entropy), ("fp8", fused_ops.fp
     def call():
         x.grad = w.grad = None
         fn(x, w, t).backward()
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            call()
-        torch.cuda.synchronize()
-    total = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            row = total.setdefault(e.name[:100], [0, 0.0])
-            row[0] += 1
-            row[1] += e.device_time / 1000 / 5
-    print(f"--- {name}: ms per call (launches per 5 calls)")
-    for k, (n, ms) in sorted(total.items(), key=lambda kv: -kv[1][1])[:14]:
-        print(f"  {ms:7.3f}  x{n:<4} {k}")
-    print(f"  {sum(v[1] for v in total.values()):7.3f}  GPU busy per call")
+    kernel_table(call, name, top=14)

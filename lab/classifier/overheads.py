@@ -12,27 +12,12 @@
 """
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from fused_ops import classifier
-
-
-def ms(fn, n=20, sleep=False):
-    fn()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if sleep:
-            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU: the host enqueues the call before the GPU reaches it
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from lab.classifier.measure import kernel_table, ms
 
 
 p = argparse.ArgumentParser()
@@ -98,23 +83,7 @@ def compile_call():
 # 2. the profile
 for chunk in (2 ** 27,):
     classifier.CHUNK_LOGITS = chunk
-    for _ in range(3):
-        fused()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            fused()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = {}
-    for e in events:
-        total.setdefault(e.name[:90], [0, 0.0])
-        total[e.name[:90]][0] += 1
-        total[e.name[:90]][1] += e.device_time / 1000 / 5
-    print(f"--- profile, chunks of 2^{chunk.bit_length() - 1} logits: per call, ms (kernel: count per 5 calls)")
-    for name, (n, t_) in sorted(total.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {t_:8.3f}  x{n:<4} {name}")
-    print(f"  {sum(v[1] for v in total.values()):8.3f}  GPU busy per call")
+    kernel_table(fused, f"profile, chunks of 2^{chunk.bit_length() - 1} logits", width=90)
 classifier.CHUNK_LOGITS = 2 ** 27
 
 # 3. timing with and without the host's latency
