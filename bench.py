@@ -7,7 +7,8 @@ End-to-end training throughput: mlp="eager" vs mlp="fused", each with and withou
     TRITON_INTERPRET=1 python bench.py --mlp_widths=32,64 --mlp_tokens=32,32 --device=cpu --compile=False
 
 Every variant starts from the same weights and batches (random tokens): the first losses, printed beside the timings,
-must agree. A step: forward, backward, AdamW over gradient_accumulation_steps micro-batches. Reported: median ms/step,
+must agree. A step is train.py's (train_step: forward and backward over gradient_accumulation_steps micro-batches, the
+loss read, clipping, AdamW), timed as train.py times it, steps back to back. Reported: median ms/step,
 tokens/s, MFU, peak GPU memory (allocated; reserved holds CUDA graphs' pools). Writes JSON, CSV and a PNG to --out
 (default out-bench/bench_<config>.*; results/ holds what the docs cite, only with --out=results/...). --compile takes
 a torch.compile mode too. --mlps=fp8: the fused MLP in FP8; torchao: the eager MLP through torchao's float8 (where
@@ -34,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,8 @@ import triton
 from tqdm import tqdm
 
 import bench_mlp
-from helpers import errors, runtime
+import train
+from helpers import config, errors, runtime
 from model import GPT, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")
@@ -148,7 +151,8 @@ def label(row):
 
 
 def make_step(model_args, state, mlp, compiled, batches, args, dtype):
-    """(model, step): one variant's model from `state`; step(i) trains on batches[i % len(batches)], no sync."""
+    """(model, step): one variant's model from `state`; step(i): train.py's step on batches[i % len(batches)], which
+    returns the loss (a float, read once the last forward is done)."""
     torch.manual_seed(0)
     mlp, cls, eight = mlp.partition("+cls")
     classifier = "fp8" if eight == "8" else "fused" if cls else "eager"
@@ -163,19 +167,13 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     world = dist.get_world_size() if dist.is_initialized() else 1
     step_model = runtime.wrap_model(model, compiled, world, device_type, args.bucket_mb)  # as train.py
     autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # (as train.py)
+    cfg = {"compile": compiled, "grad_clip": config.DEFAULTS["grad_clip"]}
 
-    def step(i):
+    def step(i):  # train.py's own step: its micro-steps, its loss read, its clipping and optimizer step
         micro = batches[i % len(batches)]
-        runtime.zero_grads(model, opt, compiled)
-        for j, (x, y) in enumerate(micro):
-            # gradients are all-reduced on the last micro-step only (train.py's accumulation)
-            with step_model.no_sync() if world > 1 and j < len(micro) - 1 else contextlib.nullcontext():
-                runtime.new_step(compiled)
-                with autocast:
-                    _, loss = step_model(x, y)
-                (loss / len(micro)).backward()
-        opt.step()
-        return loss
+        draws = SimpleNamespace(next=iter(micro).__next__, prefetch=lambda: None)  # as helpers.data.Batches
+        return train.train_step(step_model, draws, opt, scaler, cfg, autocast, len(micro), world)
 
     return model, step
 
@@ -244,18 +242,20 @@ def start_variant(model_args, state, mlp, compiled, batches, args, dtype):
 
 
 def timed_steps(run, n, timed=True):
-    """n more steps of a variant, each timed from a synchronized start to a synchronized end (seconds)."""
+    """n more steps of a variant, each timed as train.py times its steps, from one step's end to the next's: a step
+    ends when its loss is read, which waits for its last forward only; the GPU runs the backward meanwhile while the
+    host queues the optimizer and the next step, with no synchronization between steps (seconds)."""
     times = []
+    if run["cuda"]:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
     for _ in range(n):
-        if run["cuda"]:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = run["step"](run["i"])
-        if run["cuda"]:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        run["losses"].append(loss.item())
-        run["i"] += 1
+        run["losses"].append(run["step"](run["i"]))
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0, run["i"] = t1, run["i"] + 1
+    if run["cuda"]:
+        torch.cuda.synchronize()
     if timed:
         run["timed"] += times
     return times

@@ -73,13 +73,14 @@ def profile_variant(model_args, state, mlp, compiled, batches, args, dtype, step
         torch.cuda.synchronize()
     if args.cpu_ops:  # host time per operator over the profiled steps (the profiler's own overhead included)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.cpu_ops))
-    per_kind, per_kernel = collections.Counter(), collections.Counter()
+    per_kind, per_kernel, launches = collections.Counter(), collections.Counter(), 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            launches += 1
             per_kind[kind(e.name)] += e.device_time / steps / 1e3  # ms per step
             per_kernel[e.name[:70]] += e.device_time / steps / 1e3
     return {"wall_ms": statistics.median(wall) * 1e3, "host_ms": statistics.median(host) * 1e3,
-            "gpu_ms": sum(per_kind.values()), "kinds": per_kind, "kernels": per_kernel}
+            "gpu_ms": sum(per_kind.values()), "kinds": per_kind, "kernels": per_kernel, "launches": launches / steps}
 
 
 def main():
@@ -107,7 +108,8 @@ def main():
     kinds = sorted({k for r in results.values() for k in r["kinds"]}, key=lambda k: -max(r["kinds"][k] for r in results.values()))
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {model_args}  batch {batch_size}")
     print(f"{'ms per step':<30}" + "".join(f"{v:>16}" for v in results))
-    for label, key in (("wall", "wall_ms"), ("host (enqueue)", "host_ms"), ("GPU busy (kernels)", "gpu_ms")):
+    for label, key in (("wall", "wall_ms"), ("host (enqueue)", "host_ms"), ("GPU busy (kernels)", "gpu_ms"),
+                       ("kernels (count)", "launches")):
         print(f"{label:<30}" + "".join(f"{r[key]:16.2f}" for r in results.values()))
     for k in kinds:
         print(f"  {k:<28}" + "".join(f"{r['kinds'][k]:16.2f}" for r in results.values()))
