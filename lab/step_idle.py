@@ -43,7 +43,8 @@ def split_idle(prof, gap_us):
     """Per synchronized step (a "step" record_function range): start, launch gaps, host gaps (µs), the kernels'
     count and busy time, and the host operators the host gaps are charged to."""
     events = list(prof.events())
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "step")
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events  # (the host's ranges, not their GPU copies)
+                   if e.name == "step" and e.device_type == torch.autograd.DeviceType.CPU)
     kernels = merged_kernels(events)
     ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
            and not e.name.startswith(("cuda", "cu", "step"))]
