@@ -171,7 +171,7 @@ def test_usable_only_where_asked(monkeypatch):
     assert not op_graphs.usable(cpu)
 
 
-def compiled_fp8_gpt(emulate, bias, steps=4, micro_steps=2, monkeypatch=None):
+def compiled_fp8_gpt(emulate, bias, steps=3, micro_steps=2, monkeypatch=None):
     """A 2-layer FP8 GPT compiled (aot_eager on CPU, fp16 autocast), `micro_steps` forward/backward pairs per SGD
     step: (losses, parameters, model)."""
     import torch._dynamo
@@ -208,8 +208,8 @@ def test_a_compiled_fp8_gpt_trains_the_same_through_the_graphs(emulated, monkeyp
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     for block in gpt.transformer.h:
         replays = [g.replays for g in block.mlp.fp8.op_graphs.graphs.values()]
-        # 8 forwards and backwards: the first calibrates, the second compiles its kernels, then captured: 6 replays
-        assert replays == [6, 6], replays
+        # 6 forwards and backwards: the first calibrates, the second compiles its kernels, then captured: 4 replays
+        assert replays == [4, 4], replays
 
 
 def test_a_16_bit_model_without_autocast_says_once_that_its_backward_cannot_replay(emulated, monkeypatch):

@@ -314,7 +314,7 @@ def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
         opt = torch.optim.SGD(gpt.parameters(), lr=0.3)
         losses = []
         casts.clear()
-        for step in range(5):
+        for step in range(3):
             for micro in range(2):
                 x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2 * step + micro))
                 with torch.autocast("cpu", dtype=torch.float16):
@@ -323,13 +323,13 @@ def test_an_fp8_gpt_replays_and_trains_as_without_graphs(monkeypatch):
                 losses.append(loss.item())
             opt.step()
             opt.zero_grad(set_to_none=True)
-        assert len(casts) == 5 * 2 * cfg.n_layer  # each step's first forward: W1 and W2 of each layer
+        assert len(casts) == 3 * 2 * cfg.n_layer  # each step's first forward: W1 and W2 of each layer
         runs.append((losses, [p.detach().clone() for p in gpt.parameters()],
                      [b.mlp.fp8.history.clone() for b in gpt.transformer.h], gpt))
     (plain, plain_params, plain_history, _), (graphed, params, history, gpt) = runs
-    # 10 forwards: the calibrating one and the first sight run plain, the third captures, all 8 from it replay
+    # 6 forwards: the calibrating one and the first sight run plain, the third captures, all 4 from it replay
     assert [len(b.mlp.path.graphs.captured) for b in gpt.transformer.h] == [1, 1]
-    assert [next(iter(b.mlp.path.graphs.captured.values())).generation for b in gpt.transformer.h] == [8, 8]
+    assert [next(iter(b.mlp.path.graphs.captured.values())).generation for b in gpt.transformer.h] == [4, 4]
     assert graphed == plain
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     assert all(torch.equal(a, b) for a, b in zip(history, plain_history))
