@@ -27,7 +27,9 @@ from helpers import runtime, stopping
 from model import GPT, GPTConfig
 
 VOCAB, T, BATCH = 96, 32, 4
-GRAD_STEPS = 4  # under CUDA graphs: a warm-up run, the capture, then replays
+# Steps checked at lr 0: on GPUs 4 (under CUDA graphs a warm-up run, the capture, then replays), on the CPU 2 (the
+# second shows that the first step's gradients were cleared; no graphs there)
+GRAD_STEPS = {"cuda": 4, "cpu": 2}
 
 
 def model_config(mlp, fp8=False):
@@ -82,7 +84,7 @@ def rel(a, b):
 
 
 def run_steps(rank, world, device, compile, accum, mlp, fp8, dtype):
-    """(this process's flat gradient after each of GRAD_STEPS steps at lr 0, its flat parameters after 3 more steps
+    """(this process's flat gradient after each of GRAD_STEPS' steps at lr 0, its flat parameters after 3 more steps
     at a real learning rate), train.py's step under DDP."""
     torch.manual_seed(0)
     raw = GPT(model_config(mlp, fp8)).to(device)
@@ -98,7 +100,7 @@ def run_steps(rank, world, device, compile, accum, mlp, fp8, dtype):
     cfg = {"compile": compile, "grad_clip": 0.0}
     batches = FixedBatches(rank, accum, device)
     grads = []
-    for _ in range(GRAD_STEPS):
+    for _ in range(GRAD_STEPS[device_type]):
         train.train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world)
         grads.append(flat_grads(raw).cpu())
     cfg["grad_clip"] = 1.0

@@ -35,6 +35,25 @@ def test_bench_runs_and_paths_agree(tmp_path, capsys):
     assert saved["env"]["model"]["n_embd"] == 32 and len(saved["rows"]) == 2
 
 
+def test_a_bench_step_is_train_pys_step(tmp_path, monkeypatch):
+    """bench.py times train.py's own step (train.train_step: the micro-steps, the loss read, clipping with train.py's
+    default, the optimizer), one call a step with that step's micro-batches, so that its figures are the ones train.py
+    prints for the same settings."""
+    import train
+    cfg = tmp_path / "tiny.py"
+    cfg.write_text("n_layer = 1\nn_head = 2\nn_embd = 32\nblock_size = 16\nbatch_size = 2\ndataset = 'shakespeare_char'\n")
+    calls, real = [], train.train_step
+
+    def recording(model, batches, optimizer, scaler, cfg, autocast, accum, world):
+        calls.append((accum, cfg["grad_clip"], cfg["compile"], world))
+        return real(model, batches, optimizer, scaler, cfg, autocast, accum, world)
+    monkeypatch.setattr(train, "train_step", recording)
+    rows = bench.main([str(cfg), "--device=cpu", "--dtype=float32", "--mlps=eager", "--compile=False", "--warmup=2",
+                       "--steps=3", "--grad_accum=2", f"--out={tmp_path / 'b'}"])
+    assert calls == [(2, 1.0, False, 1)] * 5  # 2 warm-up steps, 3 timed
+    assert all(isinstance(loss, float) for loss in rows[0]["first_losses"])
+
+
 def test_a_users_bench_run_goes_outside_results(tmp_path, monkeypatch, capsys):
     """Without --out, out-bench/ (untracked: .gitignore's out*/), never results/, which holds the docs' record."""
     cfg = tmp_path / "tiny.py"

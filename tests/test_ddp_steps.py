@@ -29,6 +29,7 @@ def check(results, cases, device, dtype):
     for case in cases:
         compile, accum, mlp, fp8 = case
         (grads0, params0), (grads1, params1) = results[0][case], results[1][case]
+        assert len(grads0) == len(grads1) == ddp_steps.GRAD_STEPS[device.split(":")[0]], case
         for step, (g0, g1) in enumerate(zip(grads0, grads1)):
             assert torch.equal(g0, g1), (case, step)
             n = WORLD * accum
