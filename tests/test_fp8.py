@@ -400,6 +400,9 @@ def check_fused_weight_cast(device, dtype):
     for name, w in cases.items():
         w = w.to(device, dtype)
         ours, want = fp8_kernels.quantize_weight_fused(w), fp8_state.quantize_weight(w)
+        row_major, none, inv = fp8_kernels.quantize_weight_fused(w, transposed=False)  # (the classifier's x)
+        assert none is None and torch.equal(row_major.view(torch.uint8), ours[0].view(torch.uint8)), name
+        assert torch.equal(inv, ours[2]), name
         for o, e in zip(ours, want):
             assert o.shape == e.shape and o.dtype == e.dtype and o.is_contiguous(), name
             if o.dtype == E4M3:

@@ -12,8 +12,8 @@ Per chunk of rows, as in ../classifier.py:
 Why these choices:
 - The gradient needs no amax. softmax - one_hot lies in [-1, 1] whatever the logits, so one fixed power of two
   (GRAD8_SCALE) fills e5m2's range; the row kernel quantizes as it writes, with no history and no second pass.
-- x and W use current scaling (their own amax; kernels.quantize_weight_fused: an amax, one cast pass, one
-  transposing pass), not the MLP's delayed scales: x is M x C and W is V x C, small next to the M x V logits, so
+- x and W use current scaling (their own amax; kernels.quantize_weight_fused: an amax, one cast pass, and for W
+  a transposing pass), not the MLP's delayed scales: x is M x C and W is V x C, small next to the M x V logits, so
   the extra read costs little, and there is no state to keep, per process under torchrun or across CUDA graphs.
 - dW stays in 16 bits: in FP8 it would reduce over the tokens, which Hopper's FP8 GEMMs need contiguous, i.e.
   dlogits transposed: one more pass over the largest tensor of the step.
@@ -40,7 +40,7 @@ def fp8_linear_cross_entropy_op(x: Tensor, weight: Tensor, targets: Tensor, igno
     if not grad:
         return core.linear_cross_entropy_op(x, weight, targets, ignore_index, dtype, False)
     M, V = x.shape[0], weight.shape[0]
-    x8, _, inv_x = quantize_weight_fused(x)  # (its transposed copy unused: M x C bytes)
+    x8, _, inv_x = quantize_weight_fused(x, transposed=False)  # (only the logits' GEMM reads it, row-major)
     w8, w8t, inv_w = quantize_weight_fused(weight)
     xc = x.to(dtype)
     count = (targets != ignore_index).sum()

@@ -266,21 +266,24 @@ def fp8_dgrad_kernel(
 # the launchers (FP8State, the scales' state they read and update, is in state.py)
 
 
-def quantize_weight_fused(w, out=None):
+def quantize_weight_fused(w, out=None, transposed=True):
     """quantize_weight, bit for bit, in four kernels (the amax, the scale, one cast pass, one transposing pass over
     the FP8 result) where it runs eagerly (FP8State.weights), instead of about ten elementwise ops over the weight and
     a transposing copy (45 µs of GPU time for GPT-2 small's two MLP weights, results/fp8_weight_copies_h100.txt).
-    out: (q, qᵀ, 1/scale) to write into. Inside torch.compile, quantize_weight runs instead (inductor fuses it; a raw
-    kernel launch would break the trace)."""
+    out: (q, qᵀ, 1/scale) to write into. transposed=False skips the transposing pass (qᵀ None): for a tensor that
+    only one GEMM reads, row-major (the classifier's x). Inside torch.compile, quantize_weight runs instead (inductor
+    fuses it; a raw kernel launch would break the trace)."""
     w = w.detach()
     N, K = w.shape
     q, qt, inv = out or (torch.empty((N, K), device=w.device, dtype=E4M3),
-                         torch.empty((K, N), device=w.device, dtype=E4M3), torch.empty(1, device=w.device))
+                         torch.empty((K, N), device=w.device, dtype=E4M3) if transposed else None,
+                         torch.empty(1, device=w.device))
     amax = torch.linalg.vector_norm(w, float("inf"), dtype=torch.float32).reshape(1)  # (NaN if any is NaN)
     scale = torch.empty(4, device=w.device)  # the scale, a scratch amax, 1, a scratch amax
     launch(weight_scale_kernel, (1,), (amax, scale, inv), dict(FP8_MAX=FP8_MAX[E4M3]), num_warps=1)
     _cast_transpose_into(w if w.stride(1) == 1 else w.contiguous(), q, q, scale, scale[1:], True, N, transposed=False)
-    _cast_transpose_into(q, qt, qt, scale[2:], scale[3:], False, N)  # (exact: at scale 1)
+    if transposed:
+        _cast_transpose_into(q, qt, qt, scale[2:], scale[3:], False, N)  # (exact: at scale 1)
     return q, qt, inv
 
 
