@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from fused_ops import classifier
 from fused_ops.classifier import linear_cross_entropy
 from fused_ops.fp8 import E4M3, E5M2, FP8_MAX, fp8_linear_cross_entropy
-from model import GPT, GPTConfig
+from model import GPTConfig
 from tests.numerics import EPS, rel_err
+from tests import test_classifier
 from tests.test_classifier import data  # (float64 x, W, targets with every 7th ignored)
 
 needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -131,9 +132,7 @@ def test_errors_name_the_argument():
 
 
 def gpt(classifier_kind, **kw):
-    torch.manual_seed(0)
-    return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="eager", dropout=0.0,
-                         classifier=classifier_kind, **kw))
+    return test_classifier.gpt(classifier_kind, vocab_size=64, **kw)  # (FP8 GEMMs: V a multiple of 16)
 
 
 def train(model, idx, steps, device_type, dtype, compiled=None, mode=None):
