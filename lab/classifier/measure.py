@@ -1,8 +1,20 @@
-"""The classifier probes' two measurements: a call's GPU time by CUDA events, and its kernels under torch.profiler."""
+"""The classifier probes' shared parts: their shape arguments, a call's GPU time by CUDA events, and its kernels under
+torch.profiler."""
 
+import argparse
 import statistics
 
 import torch
+
+
+def shape_args():
+    """(M, C, V) from --M --C --V, GPT-2's classifier shape by default."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--M", type=int, default=12288)
+    p.add_argument("--C", type=int, default=768)
+    p.add_argument("--V", type=int, default=50304)
+    a = p.parse_args()
+    return a.M, a.C, a.V
 
 
 def ms(fn, n=20, sleep=False):

@@ -11,21 +11,14 @@
     PYTHONPATH=. python lab/classifier/overheads.py [--M 12288 --C 768 --V 50304]
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
 from fused_ops import classifier
-from lab.classifier.measure import kernel_table, ms
+from lab.classifier.measure import shape_args, kernel_table, ms
 
 
-p = argparse.ArgumentParser()
-p.add_argument("--M", type=int, default=12288)
-p.add_argument("--C", type=int, default=768)
-p.add_argument("--V", type=int, default=50304)
-a = p.parse_args()
-M, C, V = a.M, a.C, a.V
+M, C, V = shape_args()
 x = (torch.randn(M, C, device="cuda") * 0.5).bfloat16().requires_grad_()
 w = (torch.randn(V, C, device="cuda") * 0.02).bfloat16().requires_grad_()
 t = torch.randint(0, V, (M,), device="cuda")
