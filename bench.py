@@ -8,12 +8,12 @@ End-to-end training throughput: mlp="eager" vs mlp="fused", each with and withou
 
 Every variant starts from the same weights and batches (random tokens): the first losses, printed beside the timings,
 must agree. A step is train.py's (train_step: forward and backward over gradient_accumulation_steps micro-batches, the
-loss read, clipping, AdamW), timed as train.py times it, steps back to back. Reported: median ms/step,
-tokens/s, MFU, peak GPU memory (allocated; reserved holds CUDA graphs' pools). Writes JSON, CSV and a PNG to --out
-(default out-bench/bench_<config>.*; results/ holds what the docs cite, only with --out=results/...). --compile takes
-a torch.compile mode too. --mlps=fp8: the fused MLP in FP8; torchao: the eager MLP through torchao's float8 (where
-installed); +cls adds the fused classifier (fused+cls), +cls8 its FP8 form. --rounds=N builds every variant, then
-times them in N rounds, the order reversed each time (a first variant can run slower: results/bench_gpt2_124m_uncompiled_orders_h100.txt):
+loss read, clipping, AdamW), timed as train.py times it, steps back to back. Reported: median ms/step, tokens/s, MFU,
+peak GPU memory (allocated; reserved holds CUDA graphs' pools). Writes JSON, CSV and a PNG to --out (default
+out-bench/bench_<config>.*; results/ holds what the docs cite, only with --out=results/...). --compile takes a
+torch.compile mode too. --mlps=fp8: the fused MLP in FP8; fp8blocks: the attention's projections too; torchao: the
+eager MLP through torchao's float8 (where installed); +cls adds the fused classifier (fused+cls), +cls8 its FP8 form.
+--rounds=N builds every variant, then times them in N rounds, the order reversed each time (a first variant can run slower: results/bench_gpt2_124m_uncompiled_orders_h100.txt):
 
     python bench.py configs/gpt2_124m.py --compile=False --rounds=4 --steps=10
 
@@ -62,8 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda, cuda:1 or cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     ap.add_argument("--mlps", default="eager,fused",
-                    help="of eager, fused, auto, fp8 (fused in FP8), torchao (the eager MLP's Linears through torchao's "
-                         "float8 training, where installed); +cls adds the fused classifier, +cls8 its FP8 form")
+                    help="of eager, fused, auto, fp8 (fused in FP8), fp8blocks (attention's linears too), torchao (the "
+                         "eager MLP through torchao's float8, if installed); +cls: the fused classifier, +cls8 in FP8")
     ap.add_argument("--compile", default="False,True",
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
                          "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
@@ -96,13 +96,13 @@ def parse_args(argv=None):
     for mlp in (m.partition("+cls")[0] for m in mlps):  # every variant checked before the first one is timed
         if mlp not in MLPS:
             raise errors.UsageError(f"--mlps={args.mlps}: {mlp!r} is not one of {', '.join(MLPS)}")
-        runtime.check_interpreter_dtype("fused" if mlp == "fp8" else mlp, args.device, dtype, f"--mlps={mlp}")
+        runtime.check_interpreter_dtype("fused" if "fp8" in mlp else mlp, args.device, dtype, f"--mlps={mlp}")
     runtime.check_fp8(any("fp8" in m or "cls8" in m for m in mlps), args.device, dtype, "--mlps=fp8",
                       "leave fp8 out of --mlps")
     return args
 
 
-MLPS = ("eager", "fused", "auto", "fp8", "torchao")
+MLPS = ("eager", "fused", "auto", "fp8", "fp8blocks", "torchao")
 
 
 def pick_dtype(args):
@@ -156,10 +156,10 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     torch.manual_seed(0)
     mlp, cls, eight = mlp.partition("+cls")
     classifier = "fp8" if eight == "8" else "fused" if cls else "eager"
-    fp8 = mlp == "fp8"  # the fused MLP with its GEMMs in FP8 (fused_ops/fp8.py)
-    kind = "fused" if fp8 else "eager" if mlp == "torchao" else mlp
-    model = GPT(GPTConfig(mlp=kind, fp8=fp8, dropout=0.0, classifier=classifier, **model_args)).to(args.device)
-    model.load_state_dict(state)
+    fp8 = mlp.startswith("fp8")  # the fused MLP with its GEMMs in FP8 (fused_ops/fp8/); fp8blocks: attention's too
+    kind, reach = "fused" if fp8 else "eager" if mlp == "torchao" else mlp, "blocks" if mlp == "fp8blocks" else "mlp"
+    model = GPT(GPTConfig(mlp=kind, fp8=fp8, fp8_reach=reach, dropout=0.0, classifier=classifier, **model_args))
+    model.to(args.device).load_state_dict(state)
     if mlp == "torchao":
         torchao_float8_mlps(model)
     device_type = args.device.split(":")[0]

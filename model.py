@@ -33,6 +33,7 @@ GATED_ACTIVATIONS = {
 }
 MLP_KINDS = ("eager", "fused", "auto")
 CLASSIFIER_KINDS = ("eager", "fused", "fp8")
+FP8_REACHES = ("mlp", "blocks")
 
 
 @dataclass
@@ -47,7 +48,8 @@ class GPTConfig:
     mlp: str = "eager"  # "eager" | "fused" | "auto"
     activation: str = "gelu"  # a key of PLAIN_ACTIVATIONS or GATED_ACTIVATIONS
     fuse_ln: bool = False  # fold each block's second LayerNorm into the fused MLP's first matmul
-    fp8: bool = False  # train the fused MLP's GEMMs in FP8 (fused_ops/fp8.py); never chosen by "auto"
+    fp8: bool = False  # train the fused MLP's GEMMs in FP8 (fused_ops/fp8/); never chosen by "auto"
+    fp8_reach: str = "mlp"  # with fp8: "mlp" | "blocks" (the attention's projections too; the LM head: classifier)
     classifier: str = "eager"  # "eager" | "fused" (LM head + cross-entropy as one operator) | "fp8" (its FP8 form)
 
     def __post_init__(self):
@@ -72,6 +74,9 @@ class GPTConfig:
         if self.fp8 and (self.n_embd % 16 or self.mlp_hidden % 16):
             raise ValueError(f"config key 'fp8' needs n_embd ({self.n_embd}) and the MLP's hidden size "
                              f"({self.mlp_hidden}) to be multiples of 16 (FP8 GEMMs take them so)")
+        if self.fp8_reach not in FP8_REACHES or (self.fp8_reach != "mlp" and not self.fp8):
+            raise ValueError(f"config key 'fp8_reach' must be one of {FP8_REACHES}, and 'blocks' needs fp8=True; got "
+                             f"{self.fp8_reach!r} with fp8={self.fp8}")
         if self.classifier == "fp8" and (self.n_embd % 16 or self.vocab_size % 16):
             raise ValueError(f"config key 'classifier'='fp8' needs n_embd ({self.n_embd}) and vocab_size "
                              f"({self.vocab_size}) to be multiples of 16 (FP8 GEMMs take them so): use 'fused'")
@@ -117,10 +122,20 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # fp8_reach="blocks": both projections in FP8 while training, each with its delayed scales (not saved)
+        self.fp8 = self.fp8_linear = None
+        if config.fp8_reach == "blocks":
+            fused_ops = import_fused_ops(required=True)
+            self.fp8 = nn.ModuleList([fused_ops.FP8State(), fused_ops.FP8State()])
+            self.fp8_linear = fused_ops.fp8_linear
+
+    def project(self, i, layer, x):
+        """layer(x), in FP8 where fp8_reach="blocks" (i: which of the two states)."""
+        return layer(x) if self.fp8 is None else self.fp8_linear(x, layer.weight, layer.bias, self.fp8[i])
 
     def forward(self, x, cache=None):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = self.project(0, self.c_attn, x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         mask, causal = None, True
         if cache is not None:
@@ -132,7 +147,7 @@ class CausalSelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return self.resid_dropout(self.project(1, self.c_proj, y))
 
 
 class EagerMLP:

@@ -275,7 +275,8 @@ def load_pretrained(cfg, meta):
                           "--tokenizer=gpt2 (e.g. --dataset=shakespeare)")
     try:
         model = GPT.from_pretrained(name, mlp=cfg["mlp"], dropout=cfg["dropout"], block_size=cfg["block_size"],
-                                    fuse_ln=cfg["fuse_ln"], fp8=cfg["fp8"], classifier=cfg["classifier"])
+                                    fuse_ln=cfg["fuse_ln"], fp8=cfg["fp8"], fp8_reach=cfg["fp8_reach"],
+                                    classifier=cfg["classifier"])
     except (OSError, ValueError) as e:  # not downloadable offline, a folder without the files, a bad block_size
         raise ConfigError(f"init_from={name!r}: {e}") from e
     model_args = {k: getattr(model.config, k) for k in (*config.MODEL_KEYS, "vocab_size")}

@@ -178,7 +178,8 @@ def load_model(out_dir, device="cpu", mlp=None):
                                 f"configs/shakespeare_char_cpu.py --out_dir={shlex.quote(out_dir)}")
     ckpt = read(ckpt_path, keys=("model", "model_args", "meta"))
     # FP8 and the fused classifier are ways to train: inference runs bf16 and needs the logits
-    model_args = {**ckpt["model_args"], "dropout": 0.0, "fp8": False, "classifier": "eager"}
+    model_args = {**ckpt["model_args"], "dropout": 0.0, "fp8": False, "fp8_reach": "mlp",
+                  "classifier": "eager"}
     if mlp is None:  # the checkpoint's choice, which may not run here (trained with the kernels on a GPU)
         runtime.check_mlp(model_args["mlp"], device, source=f"{ckpt_path} has mlp='fused', which")
     else:

@@ -58,7 +58,8 @@ DEFAULTS = dict(
     mlp="auto",  # "eager" | "fused" | "auto"
     activation="gelu",  # gelu, gelu_tanh, relu, relu2 | gated: swiglu, geglu, geglu_tanh, sigmoid_tanh
     fuse_ln=False,  # fold each block's second LayerNorm into the fused MLP (mlp="fused" or "auto")
-    fp8=False,  # FP8 GEMMs in the fused MLP (mlp="fused", an Ada or Hopper GPU): fused_ops/fp8.py
+    fp8=False,  # FP8 GEMMs in the fused MLP (mlp="fused", an Ada or Hopper GPU): fused_ops/fp8/
+    fp8_reach="mlp",  # with fp8: "mlp" | "blocks" (the attention's two projections in FP8 too)
     classifier="eager",  # "eager" | "fused" (LM head + cross-entropy as one operator) | "fp8" (its FP8 form)
     vocab_size=None,  # None: the dataset's vocabulary size
     # AdamW
@@ -87,7 +88,7 @@ DEFAULTS = dict(
 KEY_TYPES = {"vocab_size": (int, type(None)), "compile": (bool, str)}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "mlp", "activation", "fuse_ln", "fp8",
-              "classifier")
+              "fp8_reach", "classifier")
 ARCH_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "activation")  # fixed by the weights
 PRETRAINED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 sizes, as GPT.from_pretrained names them
 

@@ -35,7 +35,8 @@ GPT2_NAMES = {  # our name -> its Hugging Face hub repository
     "gpt2-large": "openai-community/gpt2-large",  # 774M
     "gpt2-xl": "openai-community/gpt2-xl",  # 1558M
 }
-PRETRAINED_OVERRIDES = ("mlp", "dropout", "block_size", "fuse_ln", "fp8", "classifier")  # how to run it, not its architecture
+# how to run it, not its architecture
+PRETRAINED_OVERRIDES = ("mlp", "dropout", "block_size", "fuse_ln", "fp8", "fp8_reach", "classifier")
 # Our activation -> transformers' name for the same function. gelu_new is GPT-2's own tanh GELU, which every
 # GPT-2 runtime knows (gelu_pytorch_tanh is the same function, also read back).
 ACTIVATIONS_OUT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "relu2": "relu2"}

@@ -33,10 +33,12 @@ GRAD_STEPS = {"cuda": 4, "cpu": 2}
 
 
 def model_config(mlp, fp8=False):
-    """mlp as bench.py names variants: "eager", "fused", with "+cls" the fused classifier, "+cls8" its FP8 form."""
+    """mlp as bench.py names variants: "eager", "fused", with "+cls" the fused classifier, "+cls8" its FP8 form;
+    fp8: False, True (the MLP in FP8) or "blocks" (fp8_reach="blocks": the attention's projections too)."""
     mlp, cls, eight = mlp.partition("+cls")
-    return GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=128, mlp=mlp, fp8=fp8,
-                     dropout=0.0, bias=True, classifier="fp8" if eight == "8" else "fused" if cls else "eager")
+    return GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=128, mlp=mlp, fp8=bool(fp8),
+                     fp8_reach="blocks" if fp8 == "blocks" else "mlp", dropout=0.0, bias=True,
+                     classifier="fp8" if eight == "8" else "fused" if cls else "eager")
 
 
 def micro_batch(step, index, device):

