@@ -449,15 +449,16 @@ def test_config_fp8_is_opt_in_and_checked():
         settings.check({**train.DEFAULTS, "fp8": True, "mlp": "fused", "compile": mode})
 
 
-def fp8_gpt_steps(compile, steps=4, adam=False):
+def fp8_gpt_steps(compile, steps=4, adam=False, **config):
     """A 2-layer GPT with the FP8 MLP, trained `steps` SGD (or AdamW) steps under fp16 autocast (CPU; SGD to compare
     runs: a parameter moves by its gradient, where Adam blows a rounding difference in a near-zero gradient up to the
     step size); its
     losses and parameters, and the model. compile: through torch.compile (fullgraph: no graph break; aot_eager: forward and
-    backward traced through the operators' fake implementations, then run as traced)."""
+    backward traced through the operators' fake implementations, then run as traced). config: GPTConfig keys to
+    change."""
     torch.manual_seed(0)
-    config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True,
-                             dropout=0.0)
+    config = model.GPTConfig(**{**dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused",
+                                       fp8=True, dropout=0.0), **config})
     gpt = model.GPT(config)
     run = torch.compile(gpt, backend="aot_eager", fullgraph=True) if compile else gpt
     opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3) if adam else torch.optim.SGD(gpt.parameters(), lr=0.3)
@@ -474,13 +475,14 @@ def fp8_gpt_steps(compile, steps=4, adam=False):
 
 
 def test_fp8_gpt_compiles_fullgraph_and_trains_as_uncompiled():
-    """Under torch.compile the FP8 MLP is two operators (fp8_autograd.py): the same losses and weights as the
-    uncompiled Function, step by step (calibration first, then delayed scales, weight copies remade each step)."""
+    """Under torch.compile the FP8 MLP is two operators (fp8_autograd.py), and so is each FP8 linear of the attention
+    (fp8_reach="blocks", linear.py): the same losses and weights as the uncompiled Functions, step by step
+    (calibration first, then delayed scales, weight copies remade each step)."""
     import torch._dynamo
     torch._dynamo.reset()
-    plain_losses, plain_params, _ = fp8_gpt_steps(compile=False)
-    losses, params, gpt = fp8_gpt_steps(compile=True)
-    assert all(block.mlp.fp8.calibrated for block in gpt.transformer.h)
+    plain_losses, plain_params, _ = fp8_gpt_steps(compile=False, fp8_reach="blocks")
+    losses, params, gpt = fp8_gpt_steps(compile=True, fp8_reach="blocks")
+    assert all(s.calibrated for block in gpt.transformer.h for s in (block.mlp.fp8, *block.attn.fp8))
     assert losses[-1] < losses[0]
     assert losses == plain_losses  # bit for bit: the same kernels and GEMMs, autocast off inside both
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))

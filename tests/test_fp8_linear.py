@@ -154,39 +154,8 @@ def test_the_switch_is_checked_and_keeps_checkpoints_loadable():
     model.GPT(model.GPTConfig(**{**args, "mlp": "eager"})).load_state_dict(blocks.state_dict())
 
 
-def fp8_blocks_steps(compile, steps=3):
-    """A 2-layer GPT with every linear of its blocks in FP8 (and the fused classifier), `steps` SGD steps under fp16
-    autocast on CPU; (losses, parameters, model). compile: aot_eager with fullgraph (the operators' fake
-    implementations traced, then run as traced)."""
-    torch.manual_seed(0)
-    config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True,
-                             fp8_reach="blocks", classifier="fused")
-    gpt = model.GPT(config)
-    run = torch.compile(gpt, backend="aot_eager", fullgraph=True) if compile else gpt
-    opt = torch.optim.SGD(gpt.parameters(), lr=0.3)
-    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
-    losses = []
-    for _ in range(steps):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = run(idx, idx)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in gpt.parameters()], gpt
-
-
-def test_a_gpt_with_fp8_blocks_compiles_fullgraph_and_trains_as_uncompiled():
-    """Compiled, the FP8 linear is two operators: the same losses and weights as the uncompiled Function, bit for
-    bit, step by step (calibration first, then delayed scales; the weight copies made in the graph)."""
-    import torch._dynamo
-    torch._dynamo.reset()
-    plain_losses, plain_params, _ = fp8_blocks_steps(compile=False)
-    losses, params, gpt = fp8_blocks_steps(compile=True)
-    assert all(s.calibrated for block in gpt.transformer.h for s in block.attn.fp8)
-    assert losses[-1] < losses[0]
-    assert losses == plain_losses
-    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+# A GPT with fp8_reach="blocks" compiled with fullgraph, bit for bit the uncompiled one: tests/test_fp8.py's
+# test_fp8_gpt_compiles_fullgraph_and_trains_as_uncompiled (one compile for the MLP's and the linears' operators).
 
 
 # ---------------------------------------------------------------------------------------------------------- GPU

@@ -19,9 +19,8 @@ Where the casts sit. x is LayerNorm's output (c_attn) or attention's (c_proj), g
 pass of its own, reading the tensor once and writing both FP8 copies. At GPT-2 small's size that is ~2.7 GB a step,
 against 1.0 ms the FP8 GEMMs save (docs/performance.md has the arithmetic and the measured step).
 
-Special values: as the MLP's (kernels.py), ±inf in x or gy becomes NaN. Under no_grad (evaluation, sampling) and for
-32-bit activations outside autocast, callers run the 16-bit linear (fp8_linear's fallback below is for no_grad only:
-32-bit activations are an error, as in the MLP).
+Special values: as the MLP's (kernels.py), ±inf in x or gy becomes NaN. Under no_grad (evaluation, sampling) the
+16-bit F.linear runs; 32-bit activations outside autocast are an error, as in the MLP.
 """
 
 from typing import Optional
