@@ -269,17 +269,3 @@ def test_bench_variants_with_the_fused_classifier(tmp_path):
                        "--mlps=eager,eager+cls", f"--out={tmp_path / 'b'}"])
     assert [r["mlp"] for r in rows] == ["eager", "eager+cls"]
     assert rows[1]["first_losses"] == pytest.approx(rows[0]["first_losses"], rel=1e-5)
-
-
-def test_compiling_the_classifier_past_the_checked_width_is_refused():
-    """results/fp8_blocks/README.md: at width 1536 a compiled GPT's fused-classifier loss was wrong (the operator alone
-    was not): wrap_model (train.py's and bench.py's compile) refuses it in one line, and leaves the rest alone."""
-    from helpers import errors, runtime
-    wide = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=784, mlp="eager",
-                         classifier="fused"))
-    with pytest.raises(errors.UsageError, match=r"^classifier='fused' under torch.compile is checked up to n_embd=768"):
-        runtime.wrap_model(wide, True, 1, "cpu")
-    assert runtime.wrap_model(wide, False, 1, "cpu") is wide  # uncompiled: fine at any width
-    narrow = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=768, mlp="eager",
-                           classifier="fused"))
-    runtime.wrap_model(narrow, True, 1, "cpu")
