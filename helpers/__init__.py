@@ -6,6 +6,7 @@ imports a script (tests/test_layout.py checks both).
     config.py        train.py's settings: DEFAULTS, config files and --key=value, their checks    train
     runtime.py       device, precision (autocast), whether the fused MLP / FP8 can run;           train, sample, bench
                      DDP + torch.compile (wrap_model), gradients under CUDA graphs; to_host
+    inductor_fix.py  a barrier Inductor's row kernels lack (a race above width 1024), for compile  runtime.py
     errors.py        one-line failures and exit statuses (UsageError, RunError, Stopped)          every script
     data.py          a prepared dataset: DATASETS, tokenizers, meta.json, token files, batches    train, sample
     prepare_data.py  tokenizing a corpus into a dataset; ensure_dataset (prepare on first use)    prepare, train
