@@ -310,7 +310,7 @@ def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
     the loss, averaged over processes. Its one host sync (reading the loss, which waits for the last forward only, so
     the GPU runs the backward meanwhile) lets a NaN stop the run before it reaches the weights."""
     loss_sum, on_host = 0.0, None
-    runtime.zero_grads(model, optimizer, cfg["compile"])
+    runtime.zero_grads(model, optimizer, cfg["compile"], accum, world)
     for micro in range(accum):
         last = micro == accum - 1
         with model.no_sync() if world > 1 and not last else contextlib.nullcontext():

@@ -113,11 +113,14 @@ def new_step(compile):
         torch.compiler.cudagraph_mark_step_begin()
 
 
-def zero_grads(model, optimizer, compile):
-    """Clear the gradients before an optimizer step's micro-steps. Under CUDA graphs they stay allocated and are zeroed
-    in place (allocated before the first step): a gradient that a graph's backward hands out would otherwise become
-    .grad where it lies, in the graph's memory, and the next micro-step's replay would overwrite it."""
-    if compile not in CUDA_GRAPH_MODES:
+def zero_grads(model, optimizer, compile, micro_steps=1, world=1):
+    """Clear the gradients before an optimizer step's micro-steps (micro_steps of them, in a process of world). A
+    gradient that a CUDA graph's backward hands out becomes .grad where it lies, in the graph's memory. With one
+    micro-step in one process that is where the optimizer reads it, before the next step's replay: dropped (set to
+    None), as without graphs. With several micro-steps the next one's replay would overwrite it, and under DDP the
+    gradients are views of its buckets: they stay allocated and are zeroed in place (allocated before the first
+    step), and each backward adds into them: a zeroing and an accumulation pass over every gradient a step."""
+    if compile not in CUDA_GRAPH_MODES or (micro_steps == 1 and world == 1):
         return optimizer.zero_grad(set_to_none=True)
     for p in model.parameters():
         if p.requires_grad and p.grad is None:

@@ -122,19 +122,31 @@ def test_fp8_under_ddp_follows_one_process_within_the_fp8_rule(two_processes):
     assert any(not torch.equal(a, b) for a, b in zip(*scales))
 
 
-def test_zero_grads_keeps_gradients_allocated_under_cuda_graphs():
-    """Under a CUDA-graph mode the gradients are allocated before the first step and zeroed in place after (never
-    handed over from a graph's memory, where the next micro-step's replay would overwrite them); elsewhere they are
-    dropped (set to None) as before."""
+@pytest.mark.parametrize("micro_steps, world", [(2, 1), (1, 2), (4, 2)])
+def test_zero_grads_keeps_gradients_allocated_under_cuda_graphs(micro_steps, world):
+    """Under a CUDA-graph mode with several micro-steps or processes the gradients are allocated before the first step
+    and zeroed in place after (never handed over from a graph's memory, where the next micro-step's replay would
+    overwrite them); elsewhere they are dropped (set to None) as before."""
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    runtime.zero_grads(model, opt, "reduce-overhead")
+    runtime.zero_grads(model, opt, "reduce-overhead", micro_steps, world)
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and not g.any() for g in grads)
     model(torch.ones(2, 4)).sum().backward()
     assert all(g.any() for g in grads)  # accumulated into the same tensors
-    runtime.zero_grads(model, opt, "reduce-overhead")
+    runtime.zero_grads(model, opt, "reduce-overhead", micro_steps, world)
     assert all(p.grad is g for p, g in zip(model.parameters(), grads)) and not any(g.any() for g in grads)
-    runtime.zero_grads(model, opt, True)
+    for compile in (True, False):
+        runtime.zero_grads(model, opt, compile, micro_steps, world)
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_zero_grads_drops_gradients_of_one_micro_step_in_one_process():
+    """One micro-step, one process: the optimizer reads a graph's gradient before the next replay, so it is handed
+    over as it lies (no zeroing, no accumulation pass), as without graphs."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    runtime.zero_grads(model, opt, "reduce-overhead", 1, 1)
     assert all(p.grad is None for p in model.parameters())
 
