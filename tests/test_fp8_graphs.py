@@ -172,13 +172,13 @@ def test_usable_only_where_asked(monkeypatch):
 
 
 def compiled_fp8_gpt(emulate, bias, steps=3, micro_steps=2, monkeypatch=None):
-    """A 2-layer FP8 GPT compiled (aot_eager on CPU, fp16 autocast), `micro_steps` forward/backward pairs per SGD
+    """A 1-layer FP8 GPT compiled (aot_eager on CPU, fp16 autocast), `micro_steps` forward/backward pairs per SGD
     step: (losses, parameters, model)."""
     import torch._dynamo
     torch._dynamo.reset()
     monkeypatch.setattr(op_graphs, "EMULATE", emulate)
     torch.manual_seed(0)
-    config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=True,
+    config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32, mlp="fused", fp8=True,
                              dropout=0.0, bias=bias)
     gpt = model.GPT(config)
     run = torch.compile(gpt, backend="aot_eager", fullgraph=True)
