@@ -29,11 +29,11 @@ STEPS, BATCH = 4, 4
 
 def train(variant, rank=0, world=1):
     """(losses averaged over the processes, each block's FP8 scales or None, {"local": this process's own losses,
-    "params": its parameters after the steps}) of STEPS SGD steps of a 2-layer GPT, this process taking its share of
+    "params": its parameters after the steps}) of STEPS SGD steps of a 1-layer GPT, this process taking its share of
     every batch, under fp16 autocast (the interpreter's bf16 dots are wrong)."""
     fp8, graphs, compiled = variant.startswith("fp8"), variant.endswith("graphs"), variant.endswith("compiled")
     torch.manual_seed(0)
-    gpt = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, mlp="fused", fp8=fp8,
+    gpt = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32, mlp="fused", fp8=fp8,
                         dropout=0.0, bias=False))
     usable = fused_ops.layers.graphs_usable
     fused_ops.layers.graphs_usable = (lambda x: True) if graphs else usable  # (emulated graphs run on the CPU)
