@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import model
 from fused_ops import classifier
+from helpers import inductor_fix
 
 call = classifier.linear_cross_entropy_op
 fn = dict(zip(call.__code__.co_freevars, (c.cell_contents for c in call.__closure__)))["fn"]
@@ -98,16 +99,11 @@ def toggles():
 
 
 def barrier_patch():
-    """Inductor's fix proposed upstream (pytorch PR 190519): a tl.debug_barrier() before a load of a buffer stored
-    in an earlier reduction loop of the same kernel."""
+    """Inductor's fix proposed upstream (pytorch PR 190519), as helpers/inductor_fix.py applies it: a
+    tl.debug_barrier() before a load of a buffer stored in an earlier reduction loop of the same kernel."""
     from torch._inductor.codegen.triton import TritonKernel
     load = TritonKernel.load
-
-    def patched(self, name, index):
-        if name in self.cse.invalidated_stores and self.inside_reduction:
-            self.loads.writeline("tl.debug_barrier()")
-        return load(self, name, index)
-    TritonKernel.load = patched
+    TritonKernel.load = inductor_fix.with_barrier(load)
     return lambda: setattr(TritonKernel, "load", load)
 
 
