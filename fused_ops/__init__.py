@@ -18,13 +18,14 @@ The portable core (any GPU Triton runs on, or the CPU interpreter; no Hopper ker
 8. mlp.py: argument checks and the MLP's autograd: the two kernels above plus cuBLAS for the rest.
 9. backends.py: where a faster kernel for an op registers; linear_act.py and dgrad.py ask it before launching.
 10. classifier.py: the LM head and the cross-entropy as one operator (model.GPT's classifier="fused"): chunks of
-    logits, one row kernel that writes the loss's gradient over them, cuBLAS for the GEMMs.
+    logits, one row kernel that writes the loss's gradient over them, cuBLAS for the GEMMs (on Hopper the logits'
+    GEMM is hopper/'s, which also writes each row's log-sum-exp per tile: the row kernel then reads it once).
 
 Then, above the core:
 
-11. hopper/: pingpong.py, the Hopper forward and dgrad in Gluon, warp-specialized, and dispatch.py, which
-    registers them with backends.py; if the kernel fails to compile or launch on your Triton, the Triton kernels
-    take over after one FallbackWarning (FUSED_OPS_PINGPONG=0 turns it off).
+11. hopper/: pingpong.py, the Hopper forward and dgrad, and the classifier's logits GEMM, in Gluon, warp-specialized,
+    and dispatch.py, which registers them with backends.py; if the kernel fails to compile or launch on your Triton,
+    the portable kernels take over after one FallbackWarning (FUSED_OPS_PINGPONG=0 turns it off).
 12. fp8/: the opt-in FP8 MLP. kernels.py: delayed per-tensor scales (the recipe), the casts and the Triton
     epilogues (off Hopper) that write the FP8 copies; state.py: FP8State; hopper.py: on Hopper the ping-pong
     kernel's FP8 main loops and epilogues (FP8_IN, FP8_OUT); autograd.py runs it, outside torch.compile and inside;

@@ -7,10 +7,14 @@ three things are needed: the loss, and the gradients of x and W. And the gradien
 a logit is known as soon as its row's softmax is: (softmax - one_hot(target)) / n, with n the number of positions
 not ignored. So, llm.c's classifier and Liger's fused linear cross-entropy, in chunks of rows:
 
-1. logits = x_chunk @ W.T, one cuBLAS GEMM into a chunk-sized buffer (in the compute dtype: bf16 under autocast);
+1. logits = x_chunk @ W.T, one GEMM (cuBLAS's; on Hopper our own, see 2) into a chunk-sized buffer (in the compute
+   dtype: bf16 under autocast);
 2. one Triton kernel per row (below) reads the row twice: first its running max and sum of exponentials (the
    log-sum-exp, online as in flash attention), then it writes the gradient of the mean loss over the logits, in
-   place, and the row's loss (for the FP8 form, fp8/classifier.py, also softmax - one_hot in e5m2 beside them);
+   place, and the row's loss (for the FP8 form, fp8/classifier.py, also softmax - one_hot in e5m2 beside them).
+   On Hopper the GEMM is our own (hopper/pingpong.py's "lse" epilogue, reached through backends.py): while the
+   tile is in registers it also writes each row's log-sum-exp over the tile's 128 columns, and the row kernel
+   reduces those ~V/128 partials instead of reading the logits a first time: one read of the logits, not two;
 3. dx_chunk = dlogits @ W and dW += dlogits.T @ x_chunk, two more GEMMs (dW accumulated in fp32).
 
 All of it happens in the forward, where the logits are at hand; the backward only scales dx and dW by the loss's
@@ -35,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import env
+from . import backends, env
 from .casts import quantize
 from .mlp import kernels_can_run
 from .ops import fused_op
@@ -49,28 +53,39 @@ _TL_DTYPES = {torch.float8_e5m2: tl.float8e5, torch.float8_e4m3fn: tl.float8e4nv
 
 
 @triton.jit
-def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, grad8_ptr, V, ignore_index,
-                          WRITE_GRAD: tl.constexpr, GRAD8: tl.constexpr, GRAD8_SCALE: tl.constexpr,
-                          EMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: its loss into loss_ptr[row]; with WRITE_GRAD its logits replaced by the mean loss's gradient, and
-    with GRAD8 (an FP8 dtype) also softmax - one_hot, times GRAD8_SCALE, quantized into grad8_ptr's row."""
-    row = tl.program_id(0)
-    ptr = logits_ptr + row.to(tl.int64) * stride
-    acc_dtype = tl.float64 if logits_ptr.dtype.element_ty == tl.float64 else tl.float32
+def _row_log_sum_exp(ptr, n, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """The log-sum-exp of ptr[0:n] in ACC: each lane keeps a running max m and sum s of exp(x - m) over the blocks
+    it sees (online, as in flash attention); a lane that has seen only -inf keeps s = 0."""
     neg_inf = float("-inf")
-    # Pass 1: each lane keeps a running max m and sum s of exp(x - m) over the blocks it sees (online, as in flash
-    # attention); a lane that has seen only -inf keeps s = 0 (exp(-inf - -inf) would be NaN).
-    m = tl.full([BLOCK], neg_inf, acc_dtype)
-    s = tl.zeros([BLOCK], acc_dtype)
-    for start in range(0, V, BLOCK):
+    m = tl.full([BLOCK], neg_inf, ACC)
+    s = tl.zeros([BLOCK], ACC)
+    for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(ptr + cols, mask=cols < V, other=neg_inf).to(acc_dtype)
+        x = tl.load(ptr + cols, mask=cols < n, other=neg_inf).to(ACC)
         m_new = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
         s = tl.where(m_new == neg_inf, 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
         m = m_new
     m_row = tl.where(tl.max((m != m).to(tl.int32), 0) > 0, float("nan"), tl.max(m, 0))  # (tl.max skips NaN)
     s_row = tl.sum(tl.where(m == neg_inf, 0.0, s * tl.exp(m - m_row)), 0)
-    lse = tl.where(m_row == float("inf"), float("inf"), m_row + tl.log(s_row))
+    return tl.where(m_row == float("inf"), float("inf"), m_row + tl.log(s_row))
+
+
+@triton.jit
+def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, grad8_ptr, partial_ptr, T, V,
+                          ignore_index, WRITE_GRAD: tl.constexpr, GRAD8: tl.constexpr, GRAD8_SCALE: tl.constexpr,
+                          PARTIALS: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: its loss into loss_ptr[row]; with WRITE_GRAD its logits replaced by the mean loss's gradient, and
+    with GRAD8 (an FP8 dtype) also softmax - one_hot, times GRAD8_SCALE, quantized into grad8_ptr's row.
+    PARTIALS: the row's log-sum-exps over T tiles of its logits are in partial_ptr's row (T floats a row)."""
+    row = tl.program_id(0)
+    ptr = logits_ptr + row.to(tl.int64) * stride
+    acc_dtype = tl.float64 if logits_ptr.dtype.element_ty == tl.float64 else tl.float32
+    # Pass 1: the row's log-sum-exp, from its logits or from their tiles' (a log-sum-exp of log-sum-exps is the
+    # row's, special values included: NaN if any is NaN, +inf if any is +inf, -inf if all are -inf).
+    if PARTIALS:
+        lse = _row_log_sum_exp(partial_ptr + row.to(tl.int64) * T, T, acc_dtype, BLOCK)
+    else:
+        lse = _row_log_sum_exp(ptr, V, acc_dtype, BLOCK)
 
     target = tl.load(targets_ptr + row).to(tl.int64)
     ignored = target == ignore_index
@@ -92,19 +107,36 @@ def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, 
                          mask=cols < V)
 
 
-def cross_entropy_rows(logits, targets, count, ignore_index, write_grad, grad8=None, grad8_scale=GRAD8_SCALE):
+def cross_entropy_rows(logits, targets, count, ignore_index, write_grad, grad8=None, grad8_scale=GRAD8_SCALE,
+                       partial=None):
     """Each row's loss (float32, or float64 for float64 logits); with write_grad the logits are overwritten by the
     gradient of sum(losses) / count (count: a 0-d tensor on the logits' device, so no host sync), and grad8 (a
-    contiguous FP8 tensor of the logits' shape, or None) gets (softmax - one_hot) · grad8_scale."""
+    contiguous FP8 tensor of the logits' shape, or None) gets (softmax - one_hot) · grad8_scale. partial: each
+    row's log-sum-exps over tiles of its logits (M, T), contiguous (from logits_and_partials), or None."""
     M, V = logits.shape
     loss = torch.empty(M, device=logits.device, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if M:
         _cross_entropy_kernel[(M,)](logits, logits.stride(0), targets, loss, count, logits if grad8 is None else grad8,
+                                    logits if partial is None else partial, 0 if partial is None else partial.shape[1],
                                     V, ignore_index, WRITE_GRAD=write_grad,
                                     GRAD8=None if grad8 is None else _TL_DTYPES[grad8.dtype], GRAD8_SCALE=grad8_scale,
-                                    EMULATE=env.INTERPRET,
+                                    PARTIALS=partial is not None, EMULATE=env.INTERPRET,
                                     BLOCK=min(BLOCK_V, triton.next_power_of_2(V)), num_warps=8)
     return loss
+
+
+def logits_and_partials(x, weight, out, inv=None):
+    """out = x @ weight.T (x, weight 16-bit; or FP8 with inv their 1/scales, for fp8/classifier.py), and each row's
+    log-sum-exps over tiles of out's columns where a backend's GEMM writes them (Hopper's), else None (cuBLAS's
+    GEMM; the row kernel then reads the logits twice). Without inv, any dtype."""
+    partial = backends.run("logits_lse", x, weight, out, inv)  # Hopper: hopper/dispatch.py
+    if partial is not NotImplemented:
+        return partial
+    if inv is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch._scaled_mm(x, weight.t(), scale_a=inv[0], scale_b=inv[1], out_dtype=out.dtype, out=out)
+    return None
 
 
 def chunk_rows(M, V):
@@ -140,8 +172,10 @@ def linear_cross_entropy_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_i
     buffer = logits = torch.empty((min(rows, M), V), device=x.device, dtype=dtype)
     for start in range(0, M, rows):
         xs = xc[start:start + rows]
-        logits = torch.mm(xs, wc.t(), out=buffer[:xs.shape[0]])
-        losses.append(cross_entropy_rows(logits, targets[start:start + rows], count, ignore_index, grad))
+        logits = buffer[:xs.shape[0]]
+        partial = logits_and_partials(xs, wc, logits)
+        losses.append(cross_entropy_rows(logits, targets[start:start + rows], count, ignore_index, grad,
+                                         partial=partial))
         if grad:  # logits now hold d(mean loss)/d(logits)
             torch.mm(logits, wc, out=dx[start:start + rows])
             _accumulate(dw, logits.t(), xs, first=start == 0)

@@ -11,7 +11,7 @@ A few are frozen into compile-time constants at import (the interpreter's: activ
 | FUSED_OPS_TMA           | auto                              | TMA_MODE       | the TMA main loop (matmul.py): auto on Hopper+ GPUs, 0 never, 1 also under the interpreter |
 | FUSED_OPS_DIRECT_LAUNCH | 1                                 | DIRECT_LAUNCH  | call kept compiled kernels (tuning.LaunchPlan); 0 launches through Triton's JIT            |
 | FUSED_OPS_TUNING_CACHE  | ~/.cache/fused_ops/tuning.json    | TUNING_CACHE   | file of the tuned tile choices (tuning.py); 0 keeps none                                   |
-| FUSED_OPS_PINGPONG      | 1                                 | PINGPONG       | Hopper's Gluon ping-pong kernels (hopper/); 0 leaves everything to the Triton kernels      |
+| FUSED_OPS_PINGPONG      | 1                                 | PINGPONG       | Hopper's Gluon ping-pong kernels (hopper/); 0 leaves everything to Triton's and cuBLAS's   |
 | FUSED_OPS_GRAPHS        | 1                                 | GRAPHS         | per-shape CUDA graphs of the uncompiled fused MLP (graphs.py); 0 off                        |
 | FUSED_OPS_PRECOMPILE    | 1                                 | PRECOMPILE     | compile the MLP's kernels in a child process at start-up (precompile.py); 0 off            |
 

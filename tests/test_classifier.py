@@ -1,7 +1,8 @@
 """fused_ops/classifier.py: the LM head and cross-entropy as one operator, against F.cross_entropy(x @ W.T) and a
 float64 reference (the repo's rule: at most twice the same-dtype PyTorch error, plus a tiny epsilon), in float32,
 under fp16 autocast and with fp16 tensors; odd vocabularies, chunks with a short last one, ignored targets, a
-sequence with every target ignored; special values by the rule in the module's docstring; gradcheck; the GPT with
+sequence with every target ignored; special values by the rule in the module's docstring (from the logits, and from tiles' log-sum-exps as Hopper's
+logits GEMM writes them, with a stand-in for that GEMM and its fallback); gradcheck; the GPT with
 classifier="fused" (gradients, evaluation, generation, checkpoints, torch.compile with fullgraph). GPU: bf16 at
 GPT-2's width and vocabulary, and the GPT in every compile mode."""
 
@@ -111,7 +112,25 @@ def reference_row(row, target, ignore=-1):
     return lse - row[target], [math.exp(v - lse) - (i == target) for i, v in enumerate(row)]
 
 
-def test_special_values_follow_the_rule(row_passes):
+def tile_log_sum_exp(values):
+    """The log-sum-exp of a tile's values by the module's rule, float64 scalar math (the Hopper GEMM's partials)."""
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    if math.inf in values:
+        return math.inf
+    m = max(values)
+    return m if m == -math.inf else m + math.log(sum(math.exp(v - m) for v in values))
+
+
+def tile_partials(logits, tile):
+    """Each row's log-sum-exp over each `tile` columns of logits (the last tile short): (M, ceil(V / tile))."""
+    rows = logits.double().cpu().tolist()
+    return torch.tensor([[tile_log_sum_exp(r[i:i + tile]) for i in range(0, len(r), tile)] for r in rows],
+                        dtype=torch.float32 if logits.dtype != torch.float64 else torch.float64, device=logits.device)
+
+
+@pytest.mark.parametrize("partials", [None, 8], ids=["from the logits", "from 8-wide tiles' log-sum-exps"])
+def test_special_values_follow_the_rule(row_passes, partials):
     inf, nan = math.inf, math.nan
     V = 37
     base = [0.1 * ((7 * i) % 11) - 0.5 for i in range(V)]
@@ -126,7 +145,8 @@ def test_special_values_follow_the_rule(row_passes):
     logits = torch.tensor(rows, dtype=torch.float64, device=DEVICE)
     t = torch.tensor(targets, device=DEVICE)
     count = torch.tensor(1, device=DEVICE)  # the gradient of the sum of the rows' losses
-    losses = cross_entropy_rows(logits, t, count, -1, write_grad=True).cpu()
+    partial = tile_partials(logits, partials) if partials else None
+    losses = cross_entropy_rows(logits, t, count, -1, write_grad=True, partial=partial).cpu()
     for i, (row, target) in enumerate(zip(rows, targets)):
         loss, grad = reference_row(row, target)
         ours_loss, ours_grad = losses[i].item(), logits[i].cpu().tolist()
@@ -134,6 +154,59 @@ def test_special_values_follow_the_rule(row_passes):
                                                                                                            ours_loss)
         for a, b in zip(ours_grad, grad or ours_grad):
             assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-15), (i, a, b)
+
+
+def standin_logits_lse(calls, tile=16):
+    """The Hopper GEMM's contract (hopper/pingpong.logits_lse) computed by PyTorch: out = x @ weight.T, and each
+    row's log-sum-exps over `tile` columns of out as stored. FP8 (inv given): x and weight dequantized in fp32."""
+    def logits_lse(x, weight, out, inv):
+        calls.append(inv is not None)
+        if inv is None:
+            torch.mm(x, weight.t(), out=out)
+        else:
+            out.copy_((x.float() * inv[0]) @ (weight.float() * inv[1]).t())
+        return tile_partials(out, tile)
+    return logits_lse
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.float16, True)])
+def test_a_backend_gemm_with_log_sum_exps_gives_the_same_loss(small_chunks, dtype, autocast, monkeypatch):
+    """Where a backend's logits GEMM also writes each row's log-sum-exps per tile (Hopper's), the row kernel reads
+    those instead of the logits a first time: the same loss and gradients, with and without grad."""
+    from fused_ops import backends
+    x, w, t = data(23, 16, 101)
+    plain = loss_and_grads(linear_cross_entropy, x, w, t, dtype, autocast)
+    calls = []
+    monkeypatch.setitem(backends._registry, "logits_lse", standin_logits_lse(calls))
+    ours = loss_and_grads(linear_cross_entropy, x, w, t, dtype, autocast)
+    assert len(calls) == 5 and not any(calls)  # every chunk (23 rows of 5), 16-bit
+    for name, a, b in zip(("loss", "dx", "dW"), ours, plain):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (name, rel_err(a, b))
+    with torch.no_grad():
+        assert linear_cross_entropy(x.float(), w.float(), t).item() == pytest.approx(plain[0].item(), rel=1e-5)
+
+
+@pytest.mark.filterwarnings("default::fused_ops.hopper.pingpong.FallbackWarning")
+def test_a_failing_hopper_gemm_falls_back_to_cublas_once(small_chunks, monkeypatch):
+    """If the Hopper logits GEMM fails to compile or launch: one FallbackWarning, then cuBLAS's GEMM and the row
+    kernel's two reads, with the same loss; the kernel is not tried again."""
+    from fused_ops.hopper import dispatch, pingpong
+    attempts = []
+
+    def broken(*args, **kwargs):
+        attempts.append(kwargs["EPILOGUE"])
+        raise RuntimeError("no sm_90 here")
+    x, w, t = data(23, 16, 101)
+    plain = linear_cross_entropy(x.float(), w.float(), t)
+    monkeypatch.setattr(pingpong, "FAILURE", None)
+    monkeypatch.setattr(pingpong, "usable", lambda *args, **kwargs: True)
+    monkeypatch.setattr(pingpong, "_launch", broken)
+    with pytest.warns(pingpong.FallbackWarning, match="ping-pong kernel failed") as caught:
+        loss = linear_cross_entropy(x.float(), w.float(), t)
+    assert len([w for w in caught if issubclass(w.category, pingpong.FallbackWarning)]) == 1
+    assert attempts == ["lse"] and isinstance(pingpong.FAILURE, RuntimeError)
+    assert loss.item() == pytest.approx(plain.item(), rel=1e-6)
+    assert dispatch.logits_lse(x.float(), w.float(), torch.empty(23, 101), None) is NotImplemented
 
 
 def test_errors_name_the_argument():

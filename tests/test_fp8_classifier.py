@@ -95,6 +95,20 @@ def test_a_wrong_gradient_scale_is_caught(small_chunks, monkeypatch):
         check_against_recipe(23, 32, 64, torch.float32, False, "cpu", EPS[torch.float16])
 
 
+def test_a_backend_gemm_with_log_sum_exps_gives_the_same_loss(small_chunks, monkeypatch):
+    """With a stand-in for Hopper's FP8 logits GEMM that also writes each row's log-sum-exps per tile (given the
+    1/scales), the same loss and gradients as with torch._scaled_mm and the row kernel's two reads."""
+    from fused_ops import backends
+    x, w, t = data(23, 32, 64)
+    plain = ours(x, w, t, torch.float32, False)
+    calls = []
+    monkeypatch.setitem(backends._registry, "logits_lse", test_classifier.standin_logits_lse(calls))
+    got = ours(x, w, t, torch.float32, False)
+    assert calls == [True] * 5  # every chunk, FP8 in
+    for name, a, b in zip(("loss", "dx", "dW"), got, plain):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (name, rel_err(a, b))
+
+
 def test_ignored_targets_and_no_grad(small_chunks):
     """Every target ignored: NaN loss (0/0, as F.cross_entropy) and no gradient; without grad the 16-bit operator
     runs (the same loss as the fused classifier's, bit for bit)."""

@@ -12,7 +12,7 @@ from fused_ops import env, linear_act_dgrad, linear_act_forward
 from fused_ops.fp8 import hopper as fp8_hopper
 from fused_ops.hopper import pingpong
 from model import GATED_ACTIVATIONS
-from numerics import check_dgrad, check_linear_act, poisoned
+from numerics import check_dgrad, check_linear_act, poisoned, rel_err
 
 # On a GPU the ping-pong kernel must run where it is chosen: its silent fallback would pass every check.
 pytestmark = pytest.mark.filterwarnings("error::fused_ops.hopper.pingpong.FallbackWarning")
@@ -63,6 +63,10 @@ elif op in ("forward_fp8", "dgrad_fp8", "forward_fp8_in", "dgrad_fp8_in"):  # (F
                               t(M, N), t(M, rows), inv=inv)
     else:
         pp.dgrad(e5m2(M, K), e4m3(N, K), t(M, rows), t(M, rows), gated, bias, inv=inv)
+elif op == "lse":  # the classifier's logits GEMM, 16-bit or FP8 in (act says which)
+    inv = (torch.ones(1), torch.ones(1)) if act == "fp8" else None
+    a = (lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)) if inv else t
+    assert pp.logits_lse(a(M, 256), a(N, 256), t(M, N), inv) is not None
 else:
     pp.dgrad(t(M, K), t(K, N), t(M, rows), t(M, rows), gated, bias)
 """
@@ -80,7 +84,7 @@ else:
     ("forward_fp8_in", "silu", "identity", 1, 1), ("forward_fp8_in", "gelu", "identity", 0, 0),
     ("dgrad_fp8_in", "identity", "identity", 1, 1), ("dgrad_fp8_in", "identity", "identity", 1, 0),
     ("dgrad", "identity", "identity", 0, 1), ("dgrad", "identity", "identity", 0, 0),
-    ("dgrad", "identity", "identity", 1, 1)])
+    ("dgrad", "identity", "identity", 1, 1), ("lse", "bf16", "identity", 0, 0), ("lse", "fp8", "identity", 0, 0)])
 def test_compiles_for_hopper(op, act, up_act, gated, bias):
     """Compiled (not run) for sm_90 through the real launcher, in a process without the interpreter:
     catches a Triton whose Gluon API moved (TMA copy names, warp_specialize) or a variant whose shared
@@ -586,3 +590,80 @@ def test_gated_fp8_output(op, bias, programs, monkeypatch):
     diff = (q.double() - ref).abs()
     assert (diff <= ref.abs() / step + subnormal).all() and (diff == 0).float().mean() > 0.9  # one step
     assert amax.item() == pytest.approx(out16.double().abs().max().item(), rel=1e-2)
+
+
+def reference_partials(out, tile=pingpong.BLOCK_N):
+    """Each row's log-sum-exp over each `tile` columns of out as stored, in float64: torch for rows of finite values,
+    the module's rule in scalar math (tests/test_classifier.tile_log_sum_exp) for the others."""
+    from tests.test_classifier import tile_partials
+    M, V = out.shape
+    T = -(-V // tile)
+    padded = torch.full((M, T * tile), float("-inf"), dtype=torch.float64, device=out.device)
+    padded[:, :V] = out.double()
+    ref = torch.logsumexp(padded.view(M, T, tile), -1)
+    special = (~torch.isfinite(out)).any(1).nonzero()[:, 0]
+    if len(special):
+        ref[special] = tile_partials(out[special], tile).double().to(out.device)
+    return ref
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("M,K,V", [(2048, 768, 50304), (333, 64, 1000)])
+def test_logits_gemm_writes_each_tiles_log_sum_exp(dtype, M, K, V, launches):
+    """pingpong.logits_lse: the logits (as cuBLAS's GEMM, within 16-bit rounding) and each row's log-sum-exp over
+    each 128 of their columns as stored (float64 reference; the last tile short when V is not a multiple of 128).
+    Special values (16-bit: x with NaN, +inf, and +inf against a tile of negative weights: NaN, ±inf and a tile of
+    only -inf logits) follow the classifier's rule."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen)
+    w = torch.randn(V, K, generator=gen) * K ** -0.5
+    fp8 = dtype == torch.float8_e4m3fn
+    inv = None
+    if fp8:  # as fp8/classifier.py: current scaling
+        sx, sw = 448 / x.abs().max(), 448 / w.abs().max()
+        x, w = (x * sx).to(dtype), (w * sw).to(dtype)
+        inv = (sx.reciprocal().reshape(1).cuda(), sw.reciprocal().reshape(1).cuda())
+        x[3, 5] = float("nan")
+    else:
+        x, w = x.to(dtype), w.to(dtype)
+        w[:128, 0] = -w[:128, 0].abs()  # the first tile of columns: negative weights on feature 0
+        x[3, 5], x[5, 1], x[9, 0] = float("nan"), float("inf"), float("inf")
+    x, w = x.cuda(), w.cuda()
+    out_dtype = torch.bfloat16 if fp8 else dtype
+    out = poisoned((M, V), out_dtype, "cuda")
+    partial = pingpong.logits_lse(x, w, out, inv)
+    assert launches == ["lse"]
+    want = x.float() @ w.float().t()
+    if fp8:
+        want = want * inv[0] * inv[1]
+    finite = torch.isfinite(want).all(1)
+    assert torch.allclose(out[finite].float(), want[finite], rtol=1e-2, atol=1e-2)
+    assert torch.equal(out[~finite].isnan(), want[~finite].isnan()) and torch.equal(out[~finite].isinf(), want[~finite].isinf())
+    ref = reference_partials(out)
+    assert partial.shape == ref.shape and partial.dtype == torch.float32
+    assert torch.equal(partial.isnan(), ref.isnan()) and torch.equal(partial.isinf(), ref.isinf())
+    assert torch.equal(partial[partial.isinf()], ref[ref.isinf()].float())
+    ok = torch.isfinite(ref)
+    assert torch.allclose(partial[ok].double(), ref[ok], rtol=1e-5, atol=1e-5)
+    if not fp8:
+        assert ref[9, 0] == float("-inf") and ref[9, 1:].eq(float("inf")).any() and ref[3].isnan().all()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("V", [50304, 1000])
+def test_the_classifier_reads_the_logits_once_on_hopper(V, launches, monkeypatch):
+    """The fused classifier runs the logits GEMM above (one launch a chunk) and gives the loss and gradients it
+    gives with cuBLAS's GEMM and the row kernel's two reads, within bf16's noise."""
+    from fused_ops import backends, linear_cross_entropy
+    from tests.test_classifier import data, loss_and_grads
+    x, w, t = data(2048, 768, V, device="cuda")
+    ours = loss_and_grads(linear_cross_entropy, x, w, t, torch.bfloat16, True)
+    assert launches and set(launches) == {"lse"}
+    monkeypatch.setitem(backends._registry, "logits_lse", lambda *args: NotImplemented)
+    plain = loss_and_grads(linear_cross_entropy, x, w, t, torch.bfloat16, True)
+    assert ours[0].item() == pytest.approx(plain[0].item(), rel=1e-5)
+    for a, b in zip(ours[1:], plain[1:]):
+        assert rel_err(a, b) < 1e-2

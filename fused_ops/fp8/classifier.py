@@ -3,9 +3,11 @@ in FP8 on Hopper's (or Ada's) FP8 tensor cores, which run at twice bf16's rate.
 
 Per chunk of rows, as in ../classifier.py:
 
-    logits = x8 @ W8ᵀ                       FP8 GEMM (torch._scaled_mm), x and W in e4m3, logits out in 16 bits
-    the row kernel                           reads the logits twice; writes d(mean loss)/d(logits) over them in 16
-                                             bits, and g8 = (softmax - one_hot) · 2^15 in e5m2 beside them
+    logits = x8 @ W8ᵀ                       FP8 GEMM, x and W in e4m3, logits out in 16 bits (on Hopper our own, with
+                                             each row's log-sum-exp per tile beside them; else torch._scaled_mm)
+    the row kernel                           reads the logits once (twice after _scaled_mm); writes d(mean
+                                             loss)/d(logits) over them in 16 bits, and g8 = (softmax - one_hot) · 2^15
+                                             in e5m2 beside them
     dx = g8 @ W8 · 1/(n · 2^15)             FP8 GEMM (W8ᵀ, W's transposed copy: FP8 GEMMs take K-major operands)
     dW += dlogitsᵀ @ x                       16-bit GEMM, fp32 accumulation
 
@@ -54,10 +56,10 @@ def fp8_linear_cross_entropy_op(x: Tensor, weight: Tensor, targets: Tensor, igno
     grad8 = torch.empty((min(rows, M), V), device=x.device, dtype=E5M2)
     for start in range(0, M, rows):
         n = min(rows, M - start)
-        logits = torch._scaled_mm(x8[start:start + n], w8.t(), scale_a=inv_x, scale_b=inv_w, out_dtype=dtype,
-                                  out=buffer[:n])
+        logits = buffer[:n]
+        partial = core.logits_and_partials(x8[start:start + n], w8, logits, inv=(inv_x, inv_w))
         losses.append(core.cross_entropy_rows(logits, targets[start:start + n], count, ignore_index, True,
-                                              grad8=grad8[:n], grad8_scale=core.GRAD8_SCALE))
+                                              grad8=grad8[:n], grad8_scale=core.GRAD8_SCALE, partial=partial))
         torch._scaled_mm(grad8[:n], w8t.t(), scale_a=inv_g, scale_b=inv_w, out_dtype=dtype, out=dx[start:start + n])
         core._accumulate(dw, logits.t(), xc[start:start + n], first=start == 0)
     del buffer, logits, grad8  # (freed before dW's conversion below)

@@ -1,4 +1,5 @@
-"""Hopper's (sm_90) Gluon ping-pong kernels, the fast path of the core's linear_act forward and dgrad.
+"""Hopper's (sm_90) Gluon ping-pong kernels, the fast path of the core's linear_act forward and dgrad, and the
+classifier's logits GEMM (with each row's log-sum-exp per tile beside the logits).
 
 Read pingpong.py (the kernel, its launchers and usable(): what it runs on), then dispatch.py (how the core reaches it:
 through fused_ops/backends.py, never by importing it). The core runs without this package; this package imports the

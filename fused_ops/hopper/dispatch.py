@@ -30,5 +30,15 @@ def dgrad(grad_y, w2, saved, out, gated, bias_grad):
     return grad_bias if ran else NotImplemented
 
 
+def logits_lse(x, weight, out, inv):
+    """The classifier's logits GEMM with each row's log-sum-exp per tile beside it (pingpong.logits_lse), or
+    NotImplemented where the kernel does not take these operands or failed: the classifier then runs cuBLAS."""
+    if not pingpong.usable(x, (weight, out)):
+        return NotImplemented
+    partial = pingpong.logits_lse(x, weight, out, inv)
+    return NotImplemented if partial is None else partial
+
+
 backends.register("linear_act", linear_act)
 backends.register("dgrad", dgrad)
+backends.register("logits_lse", logits_lse)

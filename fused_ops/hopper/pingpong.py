@@ -13,7 +13,9 @@ The two consumers take turns at the main loop (the `turn` barriers): while one r
 other runs the previous tile's epilogue on the CUDA cores (CUTLASS calls this schedule ping-pong).
 The epilogue is a compile-time choice:
   "act": bias + activation, and the derivative dh/dz backward needs (SAVE): linear_act's forward;
-  "mul": times a saved tensor read through TMA, plus this tile's column sums for the bias gradient: the dgrad.
+  "mul": times a saved tensor read through TMA, plus this tile's column sums for the bias gradient: the dgrad;
+  "lse": the classifier's logits as they are (16-bit), plus each row's log-sum-exp over the tile's columns (of the
+         logits as stored, rounded): the classifier's row kernel then reads the logits once, not twice (logits_lse).
 Gated activations: in the forward each B tile holds 64 gate rows and 64 up rows of W for the same 64
 output columns, so one MMA gives both halves (split in registers); the dgrad multiplies one grad_h tile
 by both saved halves. Outputs leave through TMA stores from staging tiles, 32 columns at a time.
@@ -57,6 +59,7 @@ try:  # Gluon is experimental and changes between Triton releases: anything miss
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    import triton.language as tl  # (its PropagateNan, which Gluon does not re-export)
     # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global; later
     # versions async_load / async_store (and make the old names raise).
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -76,12 +79,16 @@ SHARED_MEMORY_PLAN = {
     ("mul", False): (4, 8),   # 192 KB: the saved tile's 4 parts, prefetched while the MMAs run
     ("act", True): (4, 12),   # 224 KB: h, dh/dgate and dh/dup of a part, two parts in flight
     ("mul", True): (3, 16),   # 224 KB: both saved halves' 4 parts prefetched; one ring slot less
+    ("lse", False): (4, 8),   # 192 KB: as "act", one store a part
 }
 # FP8_OUT (4 KB tiles of h8 and h8ᵀ or gz8 and gz8ᵀ beside them, two of each per consumer; 32 KB in all), where the
 # plan differs: the gated forward stages only dh/dgate and dh/dup (224 KB); the gated dgrad stores its FP8 parts
 # from the spent saved tiles (224 KB). The plain ones: 224 KB.
 FP8_SHARED_MEMORY_PLAN = {("act", True): (4, 8)}
-GROUP_M = 8
+GROUP_M = 8  # row tiles walked before the next column tile (tile_ids): A's and B's tiles reused from L2
+# The classifier's logits GEMM ("lse"): all of a chunk's row tiles (20 at GPT-2's head) before the next column tile,
+# so that each tile of W (50304 x 768: more than L2 holds) is read from memory once a chunk, not three times.
+LOGITS_GROUP_M = 64
 CONSUMER_WARPS = 8
 WARPS = 2 * CONSUMER_WARPS + 4  # registers are handed out per warpgroup: the 1-warp loader holds 4 warps' worth
 LOADER_REGS = 24
@@ -93,6 +100,7 @@ CONSUMER_REGS = (MAXNREG * 32 * WARPS - LOADER_REGS * 128) // (2 * 32 * CONSUMER
 if AVAILABLE:
     # What the kernels read must be a constexpr.
     GROUP_M_ = gl.constexpr(GROUP_M)
+    LOGITS_GROUP_M_ = gl.constexpr(LOGITS_GROUP_M)
     CONSUMER_WARPS_ = gl.constexpr(CONSUMER_WARPS)
     PARTITION_WARPS = gl.constexpr([CONSUMER_WARPS, 1])
     PARTITION_REGS = gl.constexpr([CONSUMER_REGS, LOADER_REGS])
@@ -109,7 +117,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _loader(a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR: gl.constexpr,
-                GATE_UP_B: gl.constexpr):
+                GATE_UP_B: gl.constexpr, GROUP: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         TN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]  # output columns per tile
@@ -117,7 +125,7 @@ if AVAILABLE:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATE_UP_B else 1) * b_desc.block_type.nbytes
         i = 0
         for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, TN), gl.num_programs(0)):
-            pid_m, pid_n = tile_ids(tile, M, N, BM, TN, GROUP_M_)
+            pid_m, pid_n = tile_ids(tile, M, N, BM, TN, GROUP)
             for k in range(0, K, BK):
                 s = i % S
                 # A slot is free once the consumer that read it arrived on empty[s]; barriers start
@@ -145,15 +153,16 @@ if AVAILABLE:
             stage_bufs.index(at).store(gate_grad.to(dtype))
 
     @gluon.jit
-    def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc, aux2_desc, stage_bufs,
-                      base, q_bufs, qt_bufs, q_base, scale, row_amax, ACTIVATION: gl.constexpr,
+    def _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, partial_ptr, out_desc, out2_desc, aux_desc, aux2_desc,
+                      stage_bufs, base, q_bufs, qt_bufs, q_base, scale, row_amax, ACTIVATION: gl.constexpr,
                       UP_ACTIVATION: gl.constexpr, GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      SAVE: gl.constexpr, FP8_OUT: gl.constexpr):
+                      SAVE: gl.constexpr, FP8_OUT: gl.constexpr, LSE: gl.constexpr):
         """out = act(acc + bias) and, if SAVE, dh/dz (see linear_act.py) for one tile, through TMA stores
         of [BM, PART] parts. Gated: acc's columns are [gate | up] for the tile's TN output columns.
         FP8_OUT: out quantized, staged in q_bufs[q_base:], and its transpose through qt_bufs to out2_desc (rows
-        M..Mp of it zeros); the staging tiles hold only dh/dz (always saved). Returns row_amax, each row's amax so
-        far (rows past M: 0) with this tile's folded in."""
+        M..Mp of it zeros); the staging tiles hold only dh/dz (always saved). LSE (the "lse" epilogue: identity, no
+        bias): also each row's log-sum-exp over the tile's columns into partial_ptr (_row_lse). Returns row_amax,
+        each row's amax so far (rows past M: 0) with this tile's folded in."""
         BM: gl.constexpr = acc.shape[0]
         BN: gl.constexpr = acc.shape[1]
         TN: gl.constexpr = BN // 2 if GATE_UP_B else BN
@@ -227,10 +236,46 @@ if AVAILABLE:
                 tma_store(aux_desc, [off_m, col], stage_bufs.index(bufs + AUX))
                 if GATE_UP_B:
                     tma_store(aux2_desc, [off_m, col], stage_bufs.index(bufs + AUX + 1))
+        if LSE:  # after the stores are issued, so that they leave while it runs
+            _row_lse(gates, off_m, off_n, M, N, partial_ptr, out_desc.dtype, TN)
         return row_amax
 
     @gluon.jit
-    def _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs, base, q_bufs, qt_bufs,
+    def _max_nan(a, b):
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def _row_lse(parts, off_m, off_n, M, N, partial_ptr, dtype: gl.constexpr, TN: gl.constexpr):
+        """Each row's log-sum-exp over the tile's columns (its parts, fp32), of the values as stored in dtype, into
+        partial_ptr[row, tile column] (rows below M; columns past N count as -inf): every part's row max (NaN
+        propagating), then every part's sum of exponentials (independent of each other, so their latencies overlap;
+        one pass with a running max was as slow and two passes with a compare per element slower:
+        lab/classifier/lse_gemm_probe.py), then the classifier's rule once a row: NaN if a value was NaN, ±inf if
+        the max was. The row kernel later reduces a row's partials by the same rule."""
+        BM: gl.constexpr = parts[0].shape[0]
+        PART_: gl.constexpr = parts[0].shape[1]
+        P: gl.constexpr = TN // PART_
+        LOG2E: gl.constexpr = 1.4426950408889634
+        rows_layout: gl.constexpr = gl.SliceLayout(1, parts[0].type.layout)
+        cols = gl.arange(0, PART_, layout=gl.SliceLayout(0, parts[0].type.layout))
+        m = gl.full([BM], float("-inf"), gl.float32, rows_layout)
+        for p in gl.static_range(P):
+            x = gl.where(gl.expand_dims(off_n + p * PART_ + cols < N, 0), parts[p].to(dtype).to(gl.float32),
+                         float("-inf"))
+            m = gl.maximum(m, gl.reduce(x, 1, _max_nan), propagate_nan=tl.PropagateNan.ALL)
+        finite = (m > float("-inf")) & (m < float("inf"))  # (NaN is neither)
+        shift = gl.expand_dims(gl.where(finite, m, 0.0) * LOG2E, 1)
+        s = gl.zeros([BM], gl.float32, rows_layout)
+        for p in gl.static_range(P):
+            x = gl.where(gl.expand_dims(off_n + p * PART_ + cols < N, 0), parts[p].to(dtype).to(gl.float32),
+                         float("-inf"))
+            s = s + gl.sum(gl.exp2(x * LOG2E - shift), axis=1)
+        lse = gl.where(finite, m + gl.log(s), m)
+        rows = off_m + gl.arange(0, BM, layout=rows_layout)
+        gl.store(partial_ptr + rows * gl.cdiv(N, TN) + off_n // TN, lse, mask=rows < M)
+
+    @gluon.jit
+    def _mul_epilogue(acc, off_m, off_n, pid_m, N, partial_ptr, out_desc, out2_desc, stage_bufs, base, q_bufs, qt_bufs,
                       q_base, scale, row_amax, GATED: gl.constexpr, HAS_BIAS: gl.constexpr,
                       FP8_OUT: gl.constexpr):
         """grad = acc * saved for one tile, the saved parts already in stage_bufs[base:] (gated: the
@@ -250,7 +295,7 @@ if AVAILABLE:
                     grad = parts[p] * buf.load(parts[p].type.layout).to(gl.float32)
                     if HAS_BIAS:
                         offs = off_n + p * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, grad.type.layout))
-                        gl.store(dbias_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
+                        gl.store(partial_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
                     row_amax = gl.maximum(row_amax,
                                           gl.convert_layout(gl.max(gl.abs(grad), axis=1), row_amax.type.layout))
                     q = quantize(grad, scale, out_desc.dtype, False)
@@ -276,7 +321,7 @@ if AVAILABLE:
                     buf.store(grad.to(out_desc.dtype))
                     if HAS_BIAS:  # rows past M were loaded as zeros
                         offs = off_n + p * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, grad.type.layout))
-                        gl.store(dbias_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
+                        gl.store(partial_ptr + pid_m * HALVES * N + half * N + offs, gl.sum(grad, axis=0), mask=offs < N)
             fence_async_shared()
             for p in gl.static_range(4):
                 tma_store(out_desc, [off_m, off_n + p * PART], stage_bufs.index(base + p))
@@ -286,11 +331,11 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs, q_bufs,
-                  qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr, a_inv_ptr, b_inv_ptr,
+                  qt_bufs, ready, empty, aux_bar, turn, bias_ptr, partial_ptr, scale_ptr, amax_ptr, a_inv_ptr, b_inv_ptr,
                   M, N, K, WHO: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
                   ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr,
                   GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, FP8_OUT: gl.constexpr,
-                  FP8_IN: gl.constexpr):
+                  FP8_IN: gl.constexpr, GROUP: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         TN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]  # output columns per tile
@@ -318,7 +363,7 @@ if AVAILABLE:
             ab_inv = gl.load(a_inv_ptr) * gl.load(b_inv_ptr)
         for tile in range(gl.program_id(0), gl.cdiv(M, BM) * gl.cdiv(N, TN), gl.num_programs(0)):
             if t % 2 == WHO:
-                pid_m, pid_n = tile_ids(tile, M, N, BM, TN, GROUP_M_)
+                pid_m, pid_n = tile_ids(tile, M, N, BM, TN, GROUP)
                 off_m = pid_m * BM
                 off_n = pid_n * TN
                 if EPILOGUE == "mul":  # fetch the saved tile(s) now; they land while the MMAs run
@@ -351,13 +396,14 @@ if AVAILABLE:
                 if FP8_IN:  # the product of two quantized operands, times their 1/scales: the GEMM's value
                     acc = acc * ab_inv
 
-                if EPILOGUE == "act":
-                    row_amax = _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, out_desc, out2_desc, aux_desc,
-                                             aux2_desc, stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale, row_amax,
-                                             ACTIVATION, UP_ACTIVATION, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT)
+                if EPILOGUE == "act" or EPILOGUE == "lse":
+                    row_amax = _act_epilogue(acc, off_m, off_n, M, N, bias_ptr, partial_ptr, out_desc, out2_desc,
+                                             aux_desc, aux2_desc, stage_bufs, base, q_bufs, qt_bufs, 2 * WHO, scale,
+                                             row_amax, ACTIVATION, UP_ACTIVATION, GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT,
+                                             EPILOGUE == "lse")
                 else:
                     mbarrier.wait(bar, j & 1)
-                    row_amax = _mul_epilogue(acc, off_m, off_n, pid_m, N, dbias_ptr, out_desc, out2_desc, stage_bufs,
+                    row_amax = _mul_epilogue(acc, off_m, off_n, pid_m, N, partial_ptr, out_desc, out2_desc, stage_bufs,
                                              base, q_bufs, qt_bufs, 2 * WHO, scale, row_amax, GATED, HAS_BIAS,
                                              FP8_OUT)
             i += k_steps
@@ -367,13 +413,14 @@ if AVAILABLE:
         tma.store_wait(0)
 
     @gluon.jit
-    def pingpong_kernel(a_desc, b_desc, b2_desc, out_desc, out2_desc, aux_desc, aux2_desc, bias_ptr, dbias_ptr,
+    def pingpong_kernel(a_desc, b_desc, b2_desc, out_desc, out2_desc, aux_desc, aux2_desc, bias_ptr, partial_ptr,
                         scale_ptr, amax_ptr, a_inv_ptr, b_inv_ptr, M, N, K, B_KMAJOR: gl.constexpr,
                         EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr,
                         GATED: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, STAGES: gl.constexpr,
                         STAGING: gl.constexpr, FP8_OUT: gl.constexpr, FP8_IN: gl.constexpr):
         # The gated forward's B tile holds the gate rows and the up rows of W for the same output columns.
         GATE_UP_B: gl.constexpr = GATED and EPILOGUE == "act"
+        GROUP: gl.constexpr = LOGITS_GROUP_M_ if EPILOGUE == "lse" else GROUP_M_
         b_shape: gl.constexpr = [b_desc.block_type.shape[0] * (2 if GATE_UP_B else 1), b_desc.block_type.shape[1]]
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_shape, b_desc.layout)
@@ -405,14 +452,14 @@ if AVAILABLE:
             mbarrier.init(turn.index(w), count=1)
         gl.warp_specialize([
             (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
-                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr,
+                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, partial_ptr, scale_ptr, amax_ptr,
                          a_inv_ptr, b_inv_ptr, M, N, K, 0, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED,
-                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN)),
+                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN, GROUP)),
             (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
-                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, dbias_ptr, scale_ptr, amax_ptr,
+                         q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, partial_ptr, scale_ptr, amax_ptr,
                          a_inv_ptr, b_inv_ptr, M, N, K, 1, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED,
-                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN)),
-            (_loader, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR, GATE_UP_B)),
+                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN, GROUP)),
+            (_loader, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR, GATE_UP_B, GROUP)),
         ], PARTITION_WARPS, PARTITION_REGS)
 
 
@@ -527,7 +574,7 @@ def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS
 _compiled = {}  # (dtype, constexprs, which descriptors are None, specialization) -> compiled kernel (see _run)
 
 
-def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None, scale=None, amax=None, inv=None,
+def _launch(a, b, out, aux, bias, partial, b_kmajor, b2=None, out2=None, aux2=None, scale=None, amax=None, inv=None,
             n=None, **consts):
     """out = epilogue(a @ B) with B = b.T (b_kmajor) or b. Gated, the second half of each pair (b2: the up
     rows of W, out2 / aux2: the up half of grad / saved) is its own tensor, a view cut at N. What a variant
@@ -539,7 +586,7 @@ def _launch(a, b, out, aux, bias, dbias, b_kmajor, b2=None, out2=None, aux2=None
     blocks, tn, consts = _blocks_and_consts(b_kmajor, **consts, FP8_IN=inv is not None)
     descs = [None if t is None else _descriptor(t, block) for t, block in zip((a, b, b2, out, out2, aux, aux2), blocks)]
     a_inv, b_inv = inv or (None, None)
-    _run((*descs, bias, dbias, scale, amax, a_inv, b_inv, M, N, K), consts, cdiv(M, BLOCK_M) * cdiv(N, tn), a.device)
+    _run((*descs, bias, partial, scale, amax, a_inv, b_inv, M, N, K), consts, cdiv(M, BLOCK_M) * cdiv(N, tn), a.device)
 
 
 def _run(args, consts, tiles, device):
@@ -556,7 +603,7 @@ def _run(args, consts, tiles, device):
 
 
 class FallbackWarning(RuntimeWarning):
-    """The ping-pong kernel failed to compile or launch; the Triton kernels run instead."""
+    """The ping-pong kernel failed to compile or launch; the portable kernels (Triton's, cuBLAS's) run instead."""
 
 
 FAILURE = None  # the exception that turned the ping-pong kernel off for this process, if one did
@@ -568,9 +615,9 @@ def _fails(error):
     sees: compile and launch errors. A fault inside a running kernel is not recoverable this way.)"""
     global FAILURE
     FAILURE = error
-    warnings.warn(f"the Hopper ping-pong kernel failed ({type(error).__name__}: {error}); the Triton kernels run "
-                  f"instead for the rest of this process (FUSED_OPS_PINGPONG=0 skips it)", FallbackWarning,
-                  stacklevel=3)
+    warnings.warn(f"the Hopper ping-pong kernel failed ({type(error).__name__}: {error}); the portable kernels "
+                  f"(Triton's, cuBLAS's) run instead for the rest of this process (FUSED_OPS_PINGPONG=0 skips it)",
+                  FallbackWarning, stacklevel=3)
 
 
 def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, out, saved, inv=None):
@@ -594,6 +641,22 @@ def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, 
         _fails(e)
         return False
     return True
+
+
+def logits_lse(x, weight, out, inv=None):
+    """The classifier's logits GEMM (../classifier.py): out = x @ weight.T for x (M, K) and weight (V, K), 16-bit, or
+    FP8 with inv = (x's 1/scale, weight's 1/scale), out 16-bit; returns each row's log-sum-exp of the stored logits
+    over each BLOCK_N of their columns, (M, cdiv(V, BLOCK_N)) in fp32, or None if the kernel failed (see _fails)."""
+    if FAILURE is not None:
+        return None
+    partial = torch.empty((x.shape[0], cdiv(out.shape[1], BLOCK_N)), device=out.device, dtype=torch.float32)
+    try:
+        _launch(x, weight, out, None, None, partial, True, inv=inv, EPILOGUE="lse", ACTIVATION="identity",
+                UP_ACTIVATION="identity", GATED=False, HAS_BIAS=False, SAVE=False)
+    except Exception as e:
+        _fails(e)
+        return None
+    return partial
 
 
 def dgrad(grad_y, w2, saved, out, gated, bias_grad, inv=None):
