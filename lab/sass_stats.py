@@ -71,6 +71,11 @@ def kernels(pp, M=12288, C=768):
             e5m2(M, C), e4m3(H, C), inv, bf16(M, rows), e5m2(M, rows), e5m2(rows, M), False, one, one, gated)
         calls[f"fwd_{tag}_16bit"] = lambda act=act, gated=gated, H=H, rows=rows: pp.linear_act_forward(
             bf16(M, C), bf16(rows, C), None, act, "identity", gated, True, bf16(M, H), bf16(M, rows))
+    V = 50304  # the classifier's logits GEMM (2458 rows: one chunk of GPT-2's head), and the plain GEMM beside it
+    calls["logits_lse_16bit"] = lambda: pp.logits_lse(bf16(2458, C), bf16(V, C), bf16(2458, V))
+    calls["logits_lse_fp8"] = lambda: pp.logits_lse(e4m3(2458, C), e4m3(V, C), bf16(2458, V), inv)
+    calls["fwd_identity_16bit"] = lambda: pp.linear_act_forward(bf16(2458, C), bf16(V, C), None, "identity",
+                                                                "identity", False, False, bf16(2458, V), None)
     return calls
 
 
