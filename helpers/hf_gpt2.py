@@ -19,6 +19,7 @@ from_pretrained and save_pretrained call it, handing over the classes (imports p
 """
 
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -153,6 +154,9 @@ def _hub_files(name):
         config_file = _within(HUB_TIMEOUT, lambda: hf_hub_download(repo, "config.json", etag_timeout=HUB_TIMEOUT))
         return config_file, [hf_hub_download(repo, "model.safetensors", etag_timeout=HUB_TIMEOUT)]
     except Exception as e:  # no network, hub down, proxy...: whatever it is, the way out is the same
+        # A download _within left behind keeps retrying in its thread until the process exits, and huggingface_hub
+        # logs each retry to stderr: silenced, so that the one-line error below stays the last line.
+        logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
         reason = (str(e).strip().splitlines() or [""])[0][:200]
         raise errors.UsageError(f"init_from={name!r} is not in the Hugging Face cache and downloading {repo} failed "
                                 f"({type(e).__name__}: {reason}): {FOLDER_HINT}") from e
