@@ -16,7 +16,7 @@ The portable core (any GPU Triton runs on, or the CPU interpreter; no Hopper ker
 6. layernorm.py: the LayerNorm folded into the first matmul (fuse_ln=True), and its one-pass backward.
 7. ops.py: the kernels as torch.library operators, so torch.compile (even fullgraph=True) compiles around them.
 8. mlp.py: argument checks and the MLP's autograd: the two kernels above plus cuBLAS for the rest.
-9. backends.py: where a faster kernel for an op registers; linear_act.py and dgrad.py ask it before launching.
+9. backends.py: where a faster kernel for an op registers; linear_act.py, dgrad.py and classifier.py ask it first.
 10. classifier.py: the LM head and the cross-entropy as one operator (model.GPT's classifier="fused"): chunks of
     logits, one row kernel that writes the loss's gradient over them, cuBLAS for the GEMMs (on Hopper the logits'
     GEMM is hopper/'s, which also writes each row's log-sum-exp per tile: the row kernel then reads it once).

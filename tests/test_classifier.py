@@ -157,16 +157,17 @@ def test_special_values_follow_the_rule(row_passes, partials):
             assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-12, abs=1e-15), (i, a, b)
 
 
-def standin_logits_lse(calls, tile=16):
+def standin_logits_lse(calls, tile=16, offset=0.0):
     """The Hopper GEMM's contract (hopper/pingpong.logits_lse) computed by PyTorch: out = x @ weight.T, and each
-    row's log-sum-exps over `tile` columns of out as stored. FP8 (inv given): x and weight dequantized in fp32."""
+    row's log-sum-exps over `tile` columns of out as stored (plus offset: a test's way to see the row kernel take
+    them). FP8 (inv given): x and weight dequantized in fp32."""
     def logits_lse(x, weight, out, inv):
         calls.append(inv is not None)
         if inv is None:
             torch.mm(x, weight.t(), out=out)
         else:
             out.copy_((x.float() * inv[0]) @ (weight.float() * inv[1]).t())
-        return tile_partials(out, tile)
+        return tile_partials(out, tile) + offset
     return logits_lse
 
 
@@ -185,11 +186,15 @@ def test_a_backend_gemm_with_log_sum_exps_gives_the_same_loss(small_chunks, dtyp
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (name, rel_err(a, b))
     with torch.no_grad():
         assert linear_cross_entropy(x.float(), w.float(), t).item() == pytest.approx(plain[0].item(), rel=1e-5)
+    # the loss's log-sum-exps are the partials' (each tile's sum of exponentials doubled: every loss grows by log 2)
+    monkeypatch.setitem(backends._registry, "logits_lse", standin_logits_lse(calls, offset=math.log(2)))
+    shifted = loss_and_grads(linear_cross_entropy, x, w, t, dtype, autocast)[0]
+    assert shifted.item() == pytest.approx(plain[0].item() + math.log(2), rel=1e-5)
 
 
 def test_a_failing_hopper_gemm_falls_back_to_cublas_once(small_chunks, monkeypatch):
     """If the Hopper logits GEMM fails to compile or launch: one FallbackWarning, then cuBLAS's GEMM and the row
-    kernel's two reads, with the same loss; the kernel is not tried again."""
+    kernel's two reads, with the same loss; the variant is not tried again, and the other ping-pong kernels stay on."""
     from fused_ops.hopper import dispatch, pingpong
     attempts = []
 
@@ -199,14 +204,16 @@ def test_a_failing_hopper_gemm_falls_back_to_cublas_once(small_chunks, monkeypat
     x, w, t = data(23, 16, 101)
     plain = linear_cross_entropy(x.float(), w.float(), t)
     monkeypatch.setattr(pingpong, "FAILURE", None)
+    monkeypatch.setattr(pingpong, "LOGITS_FAILURE", None)
     monkeypatch.setattr(pingpong, "usable", lambda *args, **kwargs: True)
     monkeypatch.setattr(pingpong, "_launch", broken)
     with warnings.catch_warnings(record=True) as caught:  # (pytest.warns would re-emit the interpreter's own)
         warnings.simplefilter("always", pingpong.FallbackWarning)
         loss = linear_cross_entropy(x.float(), w.float(), t)
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, pingpong.FallbackWarning)]
-    assert len(fallbacks) == 1 and "ping-pong kernel failed" in fallbacks[0], fallbacks
-    assert attempts == ["lse"] and isinstance(pingpong.FAILURE, RuntimeError)
+    assert len(fallbacks) == 1 and "logits GEMM failed" in fallbacks[0], fallbacks
+    # only this variant is off: the MLP's ping-pong kernels keep running
+    assert attempts == ["lse"] and isinstance(pingpong.LOGITS_FAILURE, RuntimeError) and pingpong.FAILURE is None
     assert loss.item() == pytest.approx(plain.item(), rel=1e-6)
     assert dispatch.logits_lse(x.float(), w.float(), torch.empty(23, 101), None) is NotImplemented
 

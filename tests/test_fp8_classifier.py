@@ -107,6 +107,9 @@ def test_a_backend_gemm_with_log_sum_exps_gives_the_same_loss(small_chunks, monk
     assert calls == [True] * 5  # every chunk, FP8 in
     for name, a, b in zip(("loss", "dx", "dW"), got, plain):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (name, rel_err(a, b))
+    # the loss's log-sum-exps are the partials' (offset by log 2: every loss grows by log 2)
+    monkeypatch.setitem(backends._registry, "logits_lse", test_classifier.standin_logits_lse(calls, offset=math.log(2)))
+    assert ours(x, w, t, torch.float32, False)[0].item() == pytest.approx(plain[0].item() + math.log(2), rel=1e-5)
 
 
 def test_ignored_targets_and_no_grad(small_chunks):

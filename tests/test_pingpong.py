@@ -1,6 +1,7 @@
 """The Hopper ping-pong kernel (fused_ops/pingpong.py): it compiles for sm_90 with the installed Triton
 (on any machine), and on a Hopper GPU it computes what the eager path does, no worse than it."""
 
+import math
 import os
 import subprocess
 import sys
@@ -630,6 +631,9 @@ def test_logits_gemm_writes_each_tiles_log_sum_exp(dtype, M, K, V, launches):
         x, w = x.to(dtype), w.to(dtype)
         w[:128, 0] = -w[:128, 0].abs()  # the first tile of columns: negative weights on feature 0
         x[3, 5], x[5, 1], x[9, 0] = float("nan"), float("inf"), float("inf")
+        if dtype == torch.bfloat16:  # finite logits above 2.4e38 (fp32's max / log2 e) in the first tile of row 11
+            x[11], w[:128, 2] = 0.0, 1.0
+            x[11, 2] = 3e38
     x, w = x.cuda(), w.cuda()
     out_dtype = torch.bfloat16 if fp8 else dtype
     out = poisoned((M, V), out_dtype, "cuda")
@@ -649,21 +653,28 @@ def test_logits_gemm_writes_each_tiles_log_sum_exp(dtype, M, K, V, launches):
     assert torch.allclose(partial[ok].double(), ref[ok], rtol=1e-5, atol=1e-5)
     if not fp8:
         assert ref[9, 0] == float("-inf") and ref[9, 1:].eq(float("inf")).any() and ref[3].isnan().all()
+    if dtype == torch.bfloat16:
+        assert ref[11, 0] > 2.4e38 and torch.isfinite(partial[11]).all()
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("V", [50304, 1000])
-def test_the_classifier_reads_the_logits_once_on_hopper(V, launches, monkeypatch):
-    """The fused classifier runs the logits GEMM above (one launch a chunk) and gives the loss and gradients it
-    gives with cuBLAS's GEMM and the row kernel's two reads, within bf16's noise."""
+def test_the_classifier_takes_its_log_sum_exps_from_the_hopper_gemm(V, launches, monkeypatch):
+    """The fused classifier runs the logits GEMM above (one launch a chunk), takes each row's log-sum-exp from its
+    partials (offset by log 2, every loss grows by log 2), and gives the loss and gradients it gives with cuBLAS's
+    GEMM and the row kernel's two reads, within bf16's noise."""
     from fused_ops import backends, linear_cross_entropy
     from tests.test_classifier import data, loss_and_grads
     x, w, t = data(2048, 768, V, device="cuda")
     ours = loss_and_grads(linear_cross_entropy, x, w, t, torch.bfloat16, True)
     assert launches and set(launches) == {"lse"}
+    real = backends._registry["logits_lse"]
+    monkeypatch.setitem(backends._registry, "logits_lse", lambda *args: real(*args) + math.log(2))
+    shifted = loss_and_grads(linear_cross_entropy, x, w, t, torch.bfloat16, True)[0]
     monkeypatch.setitem(backends._registry, "logits_lse", lambda *args: NotImplemented)
     plain = loss_and_grads(linear_cross_entropy, x, w, t, torch.bfloat16, True)
     assert ours[0].item() == pytest.approx(plain[0].item(), rel=1e-5)
+    assert shifted.item() == pytest.approx(ours[0].item() + math.log(2), rel=1e-5)
     for a, b in zip(ours[1:], plain[1:]):
         assert rel_err(a, b) < 1e-2

@@ -1,9 +1,11 @@
 """The one place the core's launchers reach the Hopper kernels: each core op that has a ping-pong version is
 registered here with fused_ops.backends, as a function that says whether the kernel takes the arguments
-(pingpong.usable, pingpong.takes_dgrad) and runs it, or answers NotImplemented so that the Triton kernel runs.
+(pingpong.usable, pingpong.takes_dgrad) and runs it, or answers NotImplemented so that the core's own kernel runs
+(Triton's; for the classifier's logits, cuBLAS's GEMM).
 
 A ping-pong kernel that fails to compile or launch answers NotImplemented too, after its one FallbackWarning
-(pingpong._fails): the Triton kernels then write every output, for the rest of the process.
+(pingpong._fails; the logits GEMM's own: pingpong.logits_lse): the core's kernels then write every output, for the
+rest of the process.
 The functions look pingpong's names up at each call (module attributes), so a test can replace them.
 """
 

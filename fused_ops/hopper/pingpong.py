@@ -21,8 +21,9 @@ output columns, so one MMA gives both halves (split in registers); the dgrad mul
 by both saved halves. Outputs leave through TMA stores from staging tiles, 32 columns at a time.
 
 For the FP8 MLP (../fp8/), two more compile-time switches (one kernel serves both: its FP8 variants are constexpr
-branches of the same code; their launchers are in ../fp8/hopper.py, which imports this module, never the reverse;
-the FP8 epilogue's quantize is ../casts.py's):
+branches of the same code; the FP8_OUT launchers are in ../fp8/hopper.py, which imports this module, never the
+reverse; FP8_IN with 16-bit outputs is launched here too, by the gated FP8 forward and dgrad and by logits_lse; the
+FP8 epilogue's quantize is ../casts.py's):
   FP8_IN: A and B are FP8 (e4m3, or e5m2 grad_y against e4m3 W2ᵀ: FP8 wgmma takes only K-major operands, and mixes
          the two formats), in K slices of 128 (128 bytes a row, as the 16-bit slices: the same ring); the
          accumulator is multiplied by the two operands' 1/scales before the epilogue (per-tensor scales).
@@ -36,9 +37,9 @@ Its main loop runs at cuBLAS speed and its epilogues cost far less than the Trit
 (docs/performance.md). Only for what TMA and wgmma take: 16-bit operands and outputs of one dtype (or the FP8
 ones above), rows 16-byte aligned (gated: N a multiple of 8), a GPU of capability 9.x and Triton's Gluon (3.6 is
 what it was built with). The Triton kernels do everything else, and the gated dgrad where they are faster
-(takes_dgrad); FUSED_OPS_PINGPONG=0 turns this off (env.py). dispatch.py hands the core's launchers these
-kernels (usable() and takes_dgrad() decide). If this kernel fails to compile or launch (Gluon changes
-between Triton releases), they take over too, after one FallbackWarning.
+(takes_dgrad); for the classifier's logits, cuBLAS's GEMM; FUSED_OPS_PINGPONG=0 turns this off (env.py).
+dispatch.py hands the core's launchers these kernels (usable() and takes_dgrad() decide). If this kernel fails to
+compile or launch (Gluon changes between Triton releases), they take over too, after one FallbackWarning.
 """
 
 import functools
@@ -264,12 +265,13 @@ if AVAILABLE:
                          float("-inf"))
             m = gl.maximum(m, gl.reduce(x, 1, _max_nan), propagate_nan=tl.PropagateNan.ALL)
         finite = (m > float("-inf")) & (m < float("inf"))  # (NaN is neither)
-        shift = gl.expand_dims(gl.where(finite, m, 0.0) * LOG2E, 1)
+        shift = gl.expand_dims(gl.where(finite, m, 0.0), 1)
         s = gl.zeros([BM], gl.float32, rows_layout)
         for p in gl.static_range(P):
             x = gl.where(gl.expand_dims(off_n + p * PART_ + cols < N, 0), parts[p].to(dtype).to(gl.float32),
                          float("-inf"))
-            s = s + gl.sum(gl.exp2(x * LOG2E - shift), axis=1)
+            s = s + gl.sum(gl.exp2((x - shift) * LOG2E), axis=1)  # (not x·log2e - m·log2e: m·log2e overflows
+            # for a finite bf16 max above 2.4e38)
         lse = gl.where(finite, m + gl.log(s), m)
         rows = off_m + gl.arange(0, BM, layout=rows_layout)
         gl.store(partial_ptr + rows * gl.cdiv(N, TN) + off_n // TN, lse, mask=rows < M)
@@ -607,6 +609,7 @@ class FallbackWarning(RuntimeWarning):
 
 
 FAILURE = None  # the exception that turned the ping-pong kernel off for this process, if one did
+LOGITS_FAILURE = None  # the one that turned off its logits GEMM only (logits_lse), if one did
 
 
 def _fails(error):
@@ -646,15 +649,19 @@ def linear_act_forward(x, weight, bias, activation, up_activation, gated, save, 
 def logits_lse(x, weight, out, inv=None):
     """The classifier's logits GEMM (../classifier.py): out = x @ weight.T for x (M, K) and weight (V, K), 16-bit, or
     FP8 with inv = (x's 1/scale, weight's 1/scale), out 16-bit; returns each row's log-sum-exp of the stored logits
-    over each BLOCK_N of their columns, (M, cdiv(V, BLOCK_N)) in fp32, or None if the kernel failed (see _fails)."""
-    if FAILURE is not None:
+    over each BLOCK_N of their columns, (M, cdiv(V, BLOCK_N)) in fp32; or None if the kernel failed (now, or earlier
+    in this process: one FallbackWarning, and only this variant is turned off)."""
+    global LOGITS_FAILURE
+    if FAILURE is not None or LOGITS_FAILURE is not None:
         return None
     partial = torch.empty((x.shape[0], cdiv(out.shape[1], BLOCK_N)), device=out.device, dtype=torch.float32)
     try:
         _launch(x, weight, out, None, None, partial, True, inv=inv, EPILOGUE="lse", ACTIVATION="identity",
                 UP_ACTIVATION="identity", GATED=False, HAS_BIAS=False, SAVE=False)
-    except Exception as e:
-        _fails(e)
+    except Exception as e:  # this variant only: the MLP's kernels keep running
+        LOGITS_FAILURE = e
+        warnings.warn(f"the Hopper ping-pong kernel's logits GEMM failed ({type(e).__name__}: {e}); the classifier "
+                      "runs cuBLAS's GEMM instead for the rest of this process", FallbackWarning, stacklevel=3)
         return None
     return partial
 
