@@ -4,10 +4,9 @@ import a hardware backend (Liger-Kernel's layering).
 The core's launchers (linear_act.py, dgrad.py, classifier.py) ask `run(op, ...)` before launching their own kernel
 (the classifier's: a cuBLAS GEMM): if a backend has registered a function for that op and it takes these arguments,
 it runs and its result is returned; else (nothing registered, or the function answered NotImplemented) their own
-kernel runs. A
-registered function decides for itself whether it takes the arguments (the GPU, the dtypes, the layouts), and
-answers NotImplemented where it does not, or where it failed (after warning once: an optional fast path must
-never cost a run more than its speed).
+kernel runs. A registered function decides for itself whether it takes the arguments (the GPU, the dtypes, the
+layouts), and answers NotImplemented where it does not, or where it failed (after warning once: an optional fast
+path must never cost a run more than its speed).
 
 Backends register at import: fused_ops/__init__.py imports hopper/ (hopper/dispatch.py) after the core.
 
