@@ -327,11 +327,7 @@ def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
             scaler.scale(loss).backward()
     lossf = on_host()
     if math.isfinite(lossf):
-        if cfg["grad_clip"] > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
-        scaler.step(optimizer)
-        scaler.update()
+        runtime.clip_and_step(optimizer, model.parameters(), cfg["grad_clip"], scaler)
     return lossf
 
 

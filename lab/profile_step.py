@@ -4,7 +4,8 @@ GPU's busy time per step (sum of kernel times from torch.profiler), and the kern
 
     python lab/profile_step.py configs/gpt2_124m.py [--activation=swiglu] [--variants=eager+compile,fused+compile]
     (a variant is eager or fused, optionally +compile or +<a torch.compile mode>, e.g. fused+reduce-overhead;
-    --cpu-ops N lists the operators by host time, --cprofile N the Python functions)
+    --cpu-ops N lists the operators by host time, --cprofile N the Python functions, --gaps N the GPU's idle time
+    between the profiled steps' kernels)
 
 A step whose host time exceeds its GPU time is host-bound (the GPU waits on Python); otherwise the kernel
 table says which kernels the time goes to.
@@ -73,14 +74,38 @@ def profile_variant(model_args, state, mlp, compiled, batches, args, dtype, step
         torch.cuda.synchronize()
     if args.cpu_ops:  # host time per operator over the profiled steps (the profiler's own overhead included)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.cpu_ops))
-    per_kind, per_kernel, launches = collections.Counter(), collections.Counter(), 0
+    per_kind, per_kernel, launches, kernels = collections.Counter(), collections.Counter(), 0, []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
             launches += 1
             per_kind[kind(e.name)] += e.device_time / steps / 1e3  # ms per step
             per_kernel[e.name[:70]] += e.device_time / steps / 1e3
+            kernels.append((e.time_range.start, e.time_range.end, e.name))
     return {"wall_ms": statistics.median(wall) * 1e3, "host_ms": statistics.median(host) * 1e3,
-            "gpu_ms": sum(per_kind.values()), "kinds": per_kind, "kernels": per_kernel, "launches": launches / steps}
+            "gpu_ms": sum(per_kind.values()), "kinds": per_kind, "kernels": per_kernel, "launches": launches / steps,
+            "timeline": kernels, "steps": steps}
+
+
+def print_gaps(kernels, steps, top):
+    """The GPU's idle time between the profiled steps' kernels (µs): in all, split into short gaps (< 10 µs: a
+    launch's latency inside a graph) and long ones (the GPU waiting for the host), by the kernel that follows, and
+    the longest gaps with the kernels on either side."""
+    kernels.sort()
+    gaps, by_next, end, prev = [], collections.Counter(), None, None
+    for start, stop, name in kernels:
+        if end is not None and start > end:
+            gaps.append((start - end, prev, name))
+            by_next[kind(name) + ": " + name[:50]] += (start - end) / steps
+        end, prev = stop if end is None else max(end, stop), name
+    total = sum(g for g, _, _ in gaps) / steps
+    short = sum(g for g, _, _ in gaps if g < 10) / steps
+    print(f"  idle between kernels: {total / 1e3:.3f} ms a step ({short / 1e3:.3f} in gaps under 10 µs, "
+          f"{sum(1 for g, _, _ in gaps if g < 10) / steps:.0f} of them; the rest in "
+          f"{sum(1 for g, _, _ in gaps if g >= 10) / steps:.0f} longer ones; the steps' boundaries included)")
+    for name, us in by_next.most_common(top):
+        print(f"    {us:8.1f} µs a step before  {name}")
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"    longest: {g:8.1f} µs  {a[:40]}  ->  {b[:40]}")
 
 
 def main():
@@ -93,6 +118,7 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="kernels listed per variant")
     ap.add_argument("--cprofile", type=int, default=0, help="also list this many Python functions by host time")
     ap.add_argument("--cpu-ops", type=int, default=0, help="also list this many operators by host (CPU) time")
+    ap.add_argument("--gaps", type=int, default=0, help="also list the GPU's idle time between kernels (this many rows)")
     a = ap.parse_args()
     args = bench.parse_args([a.config] + ([f"--activation={a.activation}"] if a.activation else []))
     args.warmup, args.steps, args.cprofile, args.cpu_ops = a.warmup, a.steps, a.cprofile, a.cpu_ops
@@ -104,6 +130,8 @@ def main():
         print(f"\n== {v}: top kernels, ms per step")
         for name, ms in r["kernels"].most_common(a.top):
             print(f"  {ms:7.3f}  {name}")
+        if a.gaps:
+            print_gaps(r["timeline"], r["steps"], a.gaps)
 
     kinds = sorted({k for r in results.values() for k in r["kinds"]}, key=lambda k: -max(r["kinds"][k] for r in results.values()))
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  {model_args}  batch {batch_size}")

@@ -1,8 +1,9 @@
 """fused_ops/classifier.py: the LM head and cross-entropy as one operator, against F.cross_entropy(x @ W.T) and a
 float64 reference (the repo's rule: at most twice the same-dtype PyTorch error, plus a tiny epsilon), in float32,
 under fp16 autocast and with fp16 tensors; odd vocabularies, chunks with a short last one, ignored targets, a
-sequence with every target ignored; special values by the rule in the module's docstring (from the logits, and from tiles' log-sum-exps as Hopper's
-logits GEMM writes them, with a stand-in for that GEMM and its fallback); gradcheck; the GPT with
+sequence with every target ignored; special values by the rule in the module's docstring (from the logits, and
+from tiles' log-sum-exps as Hopper's logits GEMM writes them, with a stand-in for that GEMM and its fallback); the
+chunks' rows; gradcheck; the GPT with
 classifier="fused" (gradients, evaluation, generation, checkpoints, torch.compile with fullgraph). GPU: bf16 at
 GPT-2's width and vocabulary, and the GPT in every compile mode."""
 
@@ -216,6 +217,25 @@ def test_a_failing_hopper_gemm_falls_back_to_cublas_once(small_chunks, monkeypat
     assert attempts == ["lse"] and isinstance(pingpong.LOGITS_FAILURE, RuntimeError) and pingpong.FAILURE is None
     assert loss.item() == pytest.approx(plain.item(), rel=1e-6)
     assert dispatch.logits_lse(x.float(), w.float(), torch.empty(23, 101), None) is NotImplemented
+
+
+@pytest.mark.parametrize("M, V", [(12288, 50304), (12289, 50304), (8 * 1024, 128256), (300, 50304), (100, 50304),
+                                  (1, 7), (4096, 50304)])
+def test_chunks_hold_whole_row_tiles_and_about_chunk_logits(M, V):
+    rows = classifier.chunk_rows(M, V)
+    chunks = math.ceil(M / rows)
+    unrounded = math.ceil(M / math.ceil(M * V / classifier.CHUNK_LOGITS))
+    assert rows >= unrounded and chunks <= math.ceil(M * V / classifier.CHUNK_LOGITS)  # no more chunks than before
+    assert rows % classifier.TILE_ROWS == 0 or rows == unrounded <= classifier.TILE_ROWS
+    assert rows - unrounded < classifier.TILE_ROWS  # the memory: at most a tile of rows more
+    if (M, V) == (12288, 50304) and classifier.CHUNK_LOGITS == 2 ** 27:  # (2458 rows before the rounding)
+        assert rows == 2560 and M - (chunks - 1) * rows == 2048
+
+
+def test_gpt2s_head_in_chunks_of_whole_tiles(monkeypatch):
+    assert classifier.chunk_rows(12288, 50304) == 4096  # 2^28 logits a chunk: three chunks
+    monkeypatch.setattr(classifier, "CHUNK_LOGITS", 2 ** 27)
+    test_chunks_hold_whole_row_tiles_and_about_chunk_logits(12288, 50304)
 
 
 def test_errors_name_the_argument():

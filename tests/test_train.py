@@ -425,3 +425,40 @@ def test_to_host_reads_the_value_as_it_was_when_asked(device):
     if device.startswith("cuda"):  # (cuda:1: not the current device; the copy's event must be recorded there)
         s.add_(1.0)  # and a change to the tensor itself, queued after the copy
     assert read() == expected
+
+
+CUDA = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + CUDA)
+@pytest.mark.parametrize("max_norm", [1.0, 1e3, 0.0])  # clipping, a norm below the limit, no clipping
+@pytest.mark.parametrize("fused", [True, False])
+def test_clip_and_step_is_clip_grad_norm_then_step(device, max_norm, fused):
+    """With fused AdamW the clipping's factor rides in the optimizer's grad_scale: the same weights, moments and
+    clipped gradients as clip_grad_norm_ and step (to rounding: a division by 1/c, not a multiply by c)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 48), (48,), (300,)]
+    runs = []
+    for ours in (True, False):
+        params = [torch.nn.Parameter(torch.randn(s, generator=g.manual_seed(i)).to(device)) for i, s in
+                  enumerate(shapes)]
+        opt = torch.optim.AdamW([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:]}], lr=1e-2,
+                                fused=fused)
+        scaler = torch.amp.GradScaler(device, enabled=False)
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=g.manual_seed(100 * step + i)).to(device) * (step + 1)
+            if ours:
+                runtime.clip_and_step(opt, params, max_norm, scaler)
+            else:
+                if max_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(params, max_norm)
+                opt.step()
+            assert not hasattr(opt, "grad_scale")
+        runs.append([t.detach().cpu() for p in params for t in (p, p.grad, *opt.state[p].values())])
+    clipped = max_norm == 1.0  # (the gradients' norms are ~20-60: every step clips)
+    for ours, reference in zip(*runs):
+        torch.testing.assert_close(ours, reference, rtol=2e-6 if clipped else 0, atol=1e-7 if clipped else 0)
+    if clipped:  # and the clipping did happen: the gradients left are at the limit
+        assert abs(torch.cat([t.flatten() for t in runs[0][1::5]]).norm().item() - 1.0) < 1e-5
