@@ -73,14 +73,12 @@ def _row_log_sum_exp(ptr, n, ACC: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, count_ptr, grad8_ptr, partial_ptr, T,
-                          V, ignore_index, WRITE_GRAD: tl.constexpr, GRAD8: tl.constexpr, GRAD8_SCALE: tl.constexpr,
-                          PARTIALS: tl.constexpr, SAVE_LSE: tl.constexpr, EMULATE: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """One row: its loss into loss_ptr[row] (and with SAVE_LSE its log-sum-exp into lse_ptr[row]); with WRITE_GRAD
-    its logits replaced by the mean loss's gradient, and with GRAD8 (an FP8 dtype) also softmax - one_hot, times
-    GRAD8_SCALE, quantized into grad8_ptr's row. PARTIALS: the row's log-sum-exps over T tiles of its logits are in
-    partial_ptr's row (T floats a row)."""
+def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, count_ptr, grad8_ptr, partial_ptr, T, V,
+                          ignore_index, WRITE_GRAD: tl.constexpr, GRAD8: tl.constexpr, GRAD8_SCALE: tl.constexpr,
+                          PARTIALS: tl.constexpr, EMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: its loss into loss_ptr[row]; with WRITE_GRAD its logits replaced by the mean loss's gradient, and
+    with GRAD8 (an FP8 dtype) also softmax - one_hot, times GRAD8_SCALE, quantized into grad8_ptr's row.
+    PARTIALS: the row's log-sum-exps over T tiles of its logits are in partial_ptr's row (T floats a row)."""
     row = tl.program_id(0)
     ptr = logits_ptr + row.to(tl.int64) * stride
     acc_dtype = tl.float64 if logits_ptr.dtype.element_ty == tl.float64 else tl.float32
@@ -96,8 +94,6 @@ def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, co
     in_range = (target >= 0) & (target < V)
     x_target = tl.load(ptr + target, mask=in_range & ~ignored, other=0.0).to(acc_dtype)
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, tl.where(in_range, lse - x_target, float("nan"))))
-    if SAVE_LSE:
-        tl.store(lse_ptr + row, lse)
     if WRITE_GRAD:
         # Pass 2: d(mean loss)/d(logit) = (softmax - one_hot(target)) / n; a +inf logit gives NaN (the rule above).
         scale = 1.0 / tl.load(count_ptr).to(acc_dtype)
@@ -114,20 +110,19 @@ def _cross_entropy_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, co
 
 
 def cross_entropy_rows(logits, targets, count, ignore_index, write_grad, grad8=None, grad8_scale=GRAD8_SCALE,
-                       partial=None, lse=None):
+                       partial=None):
     """Each row's loss (float32, or float64 for float64 logits); with write_grad the logits are overwritten by the
     gradient of sum(losses) / count (count: a 0-d tensor on the logits' device, so no host sync), and grad8 (a
     contiguous FP8 tensor of the logits' shape, or None) gets (softmax - one_hot) · grad8_scale. partial: each
-    row's log-sum-exps over tiles of its logits (M, T), contiguous (from logits_and_partials), or None. lse: a
-    float32 tensor of M to take each row's log-sum-exp, or None."""
+    row's log-sum-exps over tiles of its logits (M, T), contiguous (from logits_and_partials), or None."""
     M, V = logits.shape
     loss = torch.empty(M, device=logits.device, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
     if M:
-        _cross_entropy_kernel[(M,)](logits, logits.stride(0), targets, loss, loss if lse is None else lse, count,
-                                    logits if grad8 is None else grad8, logits if partial is None else partial,
-                                    0 if partial is None else partial.shape[1], V, ignore_index, WRITE_GRAD=write_grad,
+        _cross_entropy_kernel[(M,)](logits, logits.stride(0), targets, loss, count, logits if grad8 is None else grad8,
+                                    logits if partial is None else partial, 0 if partial is None else partial.shape[1],
+                                    V, ignore_index, WRITE_GRAD=write_grad,
                                     GRAD8=None if grad8 is None else _TL_DTYPES[grad8.dtype], GRAD8_SCALE=grad8_scale,
-                                    PARTIALS=partial is not None, SAVE_LSE=lse is not None, EMULATE=env.INTERPRET,
+                                    PARTIALS=partial is not None, EMULATE=env.INTERPRET,
                                     BLOCK=min(BLOCK_V, triton.next_power_of_2(V)), num_warps=8)
     return loss
 

@@ -6,8 +6,9 @@
 GPT-2's 12288 rows at about 2^27 logits a chunk: five chunks of 2458 rows, each GEMM ending on a tile one fifth full
 ("@2^27~2458", the rule before), or four of 2560 and one of 2048 ("@2^27"); at 2^28, three of 4096 ("@2^28"). The
 classifier alone at 12288 x 768 x 50304, forward + backward, bf16 and FP8, GPU time (bench_classifier.py's timing),
-rounds alternated, against torch.compile of eager ("alone"); and bench.py's GPT-2 124M step under reduce-overhead
-at 2^27 and 2^28 logits a chunk, against eager + compile, rounds alternated in one process ("step": wall time).
+rounds alternated, against torch.compile of eager, with 2^29 too (two chunks of 6144) ("alone"); and bench.py's
+GPT-2 124M step under reduce-overhead at each of CHUNKS, against eager + compile, rounds alternated in one process
+("step": wall time).
 """
 
 import argparse
@@ -44,7 +45,7 @@ def alone_part(rounds):
     fns = {"compile": base["compile"]}
     for name in ("fused", "fp8"):
         fns.update({f"{name}@2^27~{unrounded}": chunked(base[name], 2 ** 27, rows=unrounded),
-                    f"{name}@2^27": chunked(base[name], 2 ** 27), f"{name}@2^28": chunked(base[name], 2 ** 28)})
+                    **{f"{name}@2^{e}": chunked(base[name], 2 ** e) for e in (27, 28, 29)}})
     peak, times = {}, {n: [] for n in fns}
     for name, fn in fns.items():
         for _ in range(3):
@@ -62,6 +63,9 @@ def alone_part(rounds):
         print(f"{name:<18}{ms:8.3f}{ms / ref:11.3f}x{peak[name]:10.2f}  " + " ".join(f"{m:.3f}" for m in times[name]))
 
 
+CHUNKS = (28, 29)  # the step's chunk sizes (log2 of the logits a chunk); run 2 of results/classifier_chunks: 27, 28
+
+
 def step_part(rounds):
     """bench.py's step; a variant's "@2^27" or "@2^28" runs it with that CHUNK_LOGITS."""
     real = bench.make_step
@@ -75,8 +79,7 @@ def step_part(rounds):
     args = bench.parse_args(["configs/gpt2_124m.py", f"--rounds={rounds}", "--steps=20", "--warmup=8"])
     model_args, batch_size, dtype, batches, state = bench.setup(args)
     ro = "reduce-overhead"
-    variants = [("eager", True), ("fused+cls@2^27", ro), ("fused+cls@2^28", ro), ("fp8blocks+cls8@2^27", ro),
-                ("fp8blocks+cls8@2^28", ro)]
+    variants = [("eager", True)] + [(f"{v}@2^{e}", ro) for v in ("fused+cls", "fp8blocks+cls8") for e in CHUNKS]
     with bench_mlp.backward_thread(args):  # (as bench.main)
         rows = bench.run_interleaved(model_args, state, variants, batches, args, dtype)
     base = rows[0]["ms_per_step"]
