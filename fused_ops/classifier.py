@@ -45,7 +45,7 @@ from .casts import quantize
 from .mlp import kernels_can_run
 from .ops import fused_op
 
-CHUNK_LOGITS = 2 ** 28  # logits per chunk (512 MiB in bf16): at 2^27 GPT-2's head took 6% longer, for 0.15 GiB less
+CHUNK_LOGITS = 2 ** 28  # logits per chunk (512 MiB in bf16): 2^27 took 7% longer at GPT-2's head, 2^29 1% less
 TILE_ROWS = 128  # a chunk's rows fill whole tiles of this height (the GEMMs' row tiles: ours, and cuBLAS's)
 BLOCK_V = 2048  # logits a program reads at a time (its registers hold one block)
 # The FP8 form's gradient (fp8/classifier.py): softmax - one_hot lies in [-1, 1], so one fixed power of two puts it
@@ -141,12 +141,12 @@ def logits_and_partials(x, weight, out, inv=None):
     return None
 
 
-def chunk_rows(M, V):
-    """Rows per chunk: about CHUNK_LOGITS logits, the M rows cut into equal chunks, rounded up to whole GEMM tiles
-    of TILE_ROWS (at 2^27 logits a chunk GPT-2's 12288 rows went in five chunks of 2458, each of whose GEMMs ended
-    on a tile one fifth full: 4% of the logits' and dx's GEMM work spent on nothing; now four of 2560 and one of
-    2048; at 2^28, three of 4096)."""
-    chunks = max(1, math.ceil(M * V / CHUNK_LOGITS))
+def chunk_rows(M, V, logits=None):
+    """Rows per chunk: about `logits` logits (default CHUNK_LOGITS), the M rows cut into equal chunks, rounded up to
+    whole GEMM tiles of TILE_ROWS (at 2^27 logits a chunk GPT-2's 12288 rows went in five chunks of 2458, each of
+    whose GEMMs ended on a tile one fifth full: 4% of the logits' and dx's GEMM work spent on nothing; now four of
+    2560 and one of 2048; at 2^28 three of 4096, at 2^29 two of 6144)."""
+    chunks = max(1, math.ceil(M * V / (logits or CHUNK_LOGITS)))
     rows = max(1, math.ceil(M / chunks))
     return rows if rows <= TILE_ROWS else math.ceil(rows / TILE_ROWS) * TILE_ROWS
 

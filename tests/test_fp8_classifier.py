@@ -25,7 +25,8 @@ needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.g
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(classifier, "CHUNK_LOGITS", 5 * 64)
+    from fused_ops.fp8 import classifier as fp8_classifier
+    monkeypatch.setattr(fp8_classifier, "CHUNK_LOGITS", 5 * 64)
 
 
 def dequantized(v):

@@ -34,6 +34,11 @@ from ..ops import fused_op
 from .kernels import E5M2, quantize_weight_fused
 from .state import check_fp8_device
 
+# Logits per chunk: twice the 16-bit operator's. At GPT-2's head (results/classifier_chunks/) 2^29 took 3.5% less
+# time than 2^28 alone and 0.23 ms less in the step, for 0.29 GiB more; in 16 bits 2^29 gained 1% alone, nothing in
+# the step.
+CHUNK_LOGITS = 2 ** 29
+
 
 @fused_op("fp8_linear_cross_entropy")
 def fp8_linear_cross_entropy_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, dtype: torch.dtype,
@@ -51,7 +56,7 @@ def fp8_linear_cross_entropy_op(x: Tensor, weight: Tensor, targets: Tensor, igno
     losses = []
     dx = torch.empty((M, x.shape[1]), device=x.device, dtype=dtype)
     dw = torch.empty(weight.shape, device=weight.device, dtype=torch.float32)
-    rows = core.chunk_rows(M, V)
+    rows = core.chunk_rows(M, V, CHUNK_LOGITS)
     buffer = logits = torch.empty((min(rows, M), V), device=x.device, dtype=dtype)
     grad8 = torch.empty((min(rows, M), V), device=x.device, dtype=E5M2)
     for start in range(0, M, rows):

@@ -8,7 +8,7 @@ GPT-2's 12288 rows at about 2^27 logits a chunk: five chunks of 2458 rows, each 
 classifier alone at 12288 x 768 x 50304, forward + backward, bf16 and FP8, GPU time (bench_classifier.py's timing),
 rounds alternated, against torch.compile of eager, with 2^29 too (two chunks of 6144) ("alone"); and bench.py's
 GPT-2 124M step under reduce-overhead at each of CHUNKS, against eager + compile, rounds alternated in one process
-("step": wall time).
+("step": wall time; --product: the operators' own chunk sizes, unpatched).
 """
 
 import argparse
@@ -66,7 +66,7 @@ def alone_part(rounds):
 CHUNKS = (28, 29)  # the step's chunk sizes (log2 of the logits a chunk); run 2 of results/classifier_chunks: 27, 28
 
 
-def step_part(rounds):
+def step_part(rounds, product=False):
     """bench.py's step; a variant's "@2^27" or "@2^28" runs it with that CHUNK_LOGITS."""
     real = bench.make_step
 
@@ -79,7 +79,8 @@ def step_part(rounds):
     args = bench.parse_args(["configs/gpt2_124m.py", f"--rounds={rounds}", "--steps=20", "--warmup=8"])
     model_args, batch_size, dtype, batches, state = bench.setup(args)
     ro = "reduce-overhead"
-    variants = [("eager", True)] + [(f"{v}@2^{e}", ro) for v in ("fused+cls", "fp8blocks+cls8") for e in CHUNKS]
+    variants = [("eager", True)] + [(f"{v}@2^{e}" if not product else v, ro) for v in ("fused+cls", "fp8blocks+cls8")
+                                    for e in (CHUNKS if not product else (None,))]
     with bench_mlp.backward_thread(args):  # (as bench.main)
         rows = bench.run_interleaved(model_args, state, variants, batches, args, dtype)
     base = rows[0]["ms_per_step"]
@@ -94,11 +95,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--parts", default="alone,step")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--product", action="store_true", help="step: the product's own chunks (no @2^N variants)")
     args = p.parse_args()
     if "alone" in args.parts:
         alone_part(args.rounds)
     if "step" in args.parts:
-        step_part(args.rounds)
+        step_part(args.rounds, args.product)
 
 
 if __name__ == "__main__":
