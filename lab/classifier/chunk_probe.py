@@ -13,13 +13,9 @@ GPT-2 124M step under reduce-overhead at each of CHUNKS, against eager + compile
 
 import argparse
 import math
-import statistics
 
-import torch
-
-import bench
 import bench_classifier
-import bench_mlp
+import rounds as rounds_
 from fused_ops import classifier
 
 
@@ -38,57 +34,29 @@ def chunked(fn, logits, rows=None):
 
 
 def alone_part(rounds):
-    M, C, V = 12288, 768, 50304
-    x, w, t = bench_classifier.inputs(M, C, V)
+    M, V = 12288, 50304
     base = bench_classifier.variants()
     unrounded = math.ceil(M / math.ceil(M * V / 2 ** 27))
     fns = {"compile": base["compile"]}
     for name in ("fused", "fp8"):
         fns.update({f"{name}@2^27~{unrounded}": chunked(base[name], 2 ** 27, rows=unrounded),
                     **{f"{name}@2^{e}": chunked(base[name], 2 ** e) for e in (27, 28, 29)}})
-    peak, times = {}, {n: [] for n in fns}
-    for name, fn in fns.items():
-        for _ in range(3):
-            bench_classifier.call(fn, x, w, t)
-        peak[name] = bench_classifier.peak_gib(fn, x, w, t)
-    names = list(fns)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            times[name].append(bench_classifier.time_ms(fns[name], x, w, t, 10))
-    ref = statistics.median(times["compile"])
-    print(f"\nthe classifier alone, {M} x {C} x {V}, fwd + bwd, GPU time, {rounds} rounds alternated")
-    print(f"{'variant':<18}{'ms':>8}{'vs compile':>12}{'peak GiB':>10}  rounds")
-    for name in names:
-        ms = statistics.median(times[name])
-        print(f"{name:<18}{ms:8.3f}{ms / ref:11.3f}x{peak[name]:10.2f}  " + " ".join(f"{m:.3f}" for m in times[name]))
+    rounds_.alone(fns, rounds, M=M, V=V)
 
 
 CHUNKS = (28, 29)  # the step's chunk sizes (log2 of the logits a chunk); run 2 of results/classifier_chunks: 27, 28
 
 
 def step_part(rounds, product=False):
-    """bench.py's step; a variant's "@2^27" or "@2^28" runs it with that CHUNK_LOGITS."""
-    real = bench.make_step
-
-    def make_step(model_args, state, mlp, compiled, batches, args, dtype):
+    """bench.py's step; a variant's "@2^N" runs it with CHUNK_LOGITS = 2^N."""
+    def wrap(mlp):
         name, _, logits = mlp.partition("@2^")
-        model, step = real(model_args, state, name, compiled, batches, args, dtype)
-        return model, (chunked(step, 2 ** int(logits)) if logits else step)
+        return name, (lambda step: chunked(step, 2 ** int(logits))) if logits else None
 
-    bench.make_step = make_step
-    args = bench.parse_args(["configs/gpt2_124m.py", f"--rounds={rounds}", "--steps=20", "--warmup=8"])
-    model_args, batch_size, dtype, batches, state = bench.setup(args)
     ro = "reduce-overhead"
     variants = [("eager", True)] + [(f"{v}@2^{e}" if not product else v, ro) for v in ("fused+cls", "fp8blocks+cls8")
                                     for e in (CHUNKS if not product else (None,))]
-    with bench_mlp.backward_thread(args):  # (as bench.main)
-        rows = bench.run_interleaved(model_args, state, variants, batches, args, dtype)
-    base = rows[0]["ms_per_step"]
-    print(f"\nGPT-2 124M step, 12 x 1024 tokens, {torch.cuda.get_device_name()}, {rounds} rounds alternated")
-    print(f"{'variant':<40}{'ms/step':>9}{'vs eager+compile':>18}  first losses  rounds")
-    for r in rows:
-        print(f"{bench.label(r):<40}{r['ms_per_step']:9.2f}{base / r['ms_per_step']:17.3f}x  "
-              + " ".join(f"{v:.4f}" for v in r["first_losses"][:3]) + "  " + " ".join(f"{m:.2f}" for m in r["round_ms"]))
+    rounds_.step(variants, rounds, wrap)
 
 
 def main():

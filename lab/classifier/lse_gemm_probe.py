@@ -21,9 +21,8 @@ import statistics
 import torch
 from triton.testing import do_bench
 
-import bench
 import bench_classifier
-import bench_mlp
+import rounds as rounds_
 from fused_ops import backends
 from fused_ops.classifier import cross_entropy_rows
 from fused_ops.hopper import pingpong
@@ -101,49 +100,21 @@ def gemm_part(variants=None):
 
 
 def alone_part(rounds):
-    M, C, V = 12288, 768, 50304
-    x, w, t = bench_classifier.inputs(M, C, V)
     fns = bench_classifier.variants()
-    fns = {"compile": fns["compile"], "fused": fns["fused"], "fused~cublas": without_our_gemm(fns["fused"]),
-           "fp8": fns["fp8"], "fp8~cublas": without_our_gemm(fns["fp8"])}
-    bench_classifier.call(fns["compile"], x, w, t)
-    ref = x.grad.float().clone()
-    peak, diff, times = {}, {}, {n: [] for n in fns}
-    for name, fn in fns.items():
-        for _ in range(3):
-            bench_classifier.call(fn, x, w, t)
-        diff[name] = float((x.grad.float() - ref).norm() / ref.norm())
-        peak[name] = bench_classifier.peak_gib(fn, x, w, t)
-    names = list(fns)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            times[name].append(bench_classifier.time_ms(fns[name], x, w, t, 10))
-    base = statistics.median(times["compile"])
-    print(f"\nthe classifier alone, {M} x {C} x {V}, fwd + bwd, GPU time, {rounds} rounds alternated")
-    print(f"{'variant':<16}{'ms':>8}{'vs compile':>12}{'peak GiB':>10}{'dx vs compile':>15}  rounds")
-    for name in names:
-        ms = statistics.median(times[name])
-        print(f"{name:<16}{ms:8.3f}{ms / base:11.3f}x{peak[name]:10.2f}{diff[name]:15.2e}  "
-              + " ".join(f"{m:.3f}" for m in times[name]))
+    rounds_.alone({"compile": fns["compile"], "fused": fns["fused"], "fused~cublas": without_our_gemm(fns["fused"]),
+                   "fp8": fns["fp8"], "fp8~cublas": without_our_gemm(fns["fp8"])}, rounds)
 
 
-def patch_make_step():
-    """bench.make_step taking a "~cublas" in a variant's name: that variant's steps run without our GEMM."""
-    real = bench.make_step
-
-    def make_step(model_args, state, mlp, compiled, batches, args, dtype):
-        cublas = "~cublas" in mlp
-        model, step = real(model_args, state, mlp.replace("~cublas", ""), compiled, batches, args, dtype)
-        return model, (without_our_gemm(step) if cublas else step)
-
-    bench.make_step = make_step
+def cublas(name):
+    """A variant's "~cublas": its steps run without our GEMM (rounds.patch_make_step's wrap)."""
+    return name.replace("~cublas", ""), (without_our_gemm if "~cublas" in name else None)
 
 
 def profile_part():
     """lab/profile_step.py's kernel table for the variants with and without our GEMM."""
     import os
     import sys
-    patch_make_step()
+    rounds_.patch_make_step(cublas)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import profile_step
     sys.argv = ["profile_step.py", "configs/gpt2_124m.py", "--top=8", "--variants=" + ",".join(
@@ -152,21 +123,9 @@ def profile_part():
 
 
 def step_part(rounds):
-    patch_make_step()
-    args = bench.parse_args(["configs/gpt2_124m.py", f"--rounds={rounds}", "--steps=20", "--warmup=8"])
-    model_args, batch_size, dtype, batches, state = bench.setup(args)
     ro = "reduce-overhead"
-    variants = [("eager", True), ("fused+cls", ro), ("fused+cls~cublas", ro), ("fp8blocks+cls8", ro),
-                ("fp8blocks+cls8~cublas", ro)]
-    with bench_mlp.backward_thread(args):  # (as bench.main)
-        rows = bench.run_interleaved(model_args, state, variants, batches, args, dtype)
-    base = rows[0]["ms_per_step"]
-    print(f"\nGPT-2 124M step, 12 x 1024 tokens, {torch.cuda.get_device_name()}, {rounds} rounds alternated")
-    print(f"{'variant':<40}{'ms/step':>9}{'vs eager+compile':>18}  first losses  rounds")
-    for r in rows:
-        print(f"{bench.label(r):<40}{r['ms_per_step']:9.2f}{base / r['ms_per_step']:17.3f}x  "
-              + " ".join(f"{v:.4f}" for v in r["first_losses"][:3]) + "  "
-              + " ".join(f"{m:.2f}" for m in r["round_ms"]))
+    rounds_.step([("eager", True), ("fused+cls", ro), ("fused+cls~cublas", ro), ("fp8blocks+cls8", ro),
+                  ("fp8blocks+cls8~cublas", ro)], rounds, cublas)
 
 
 def main():
