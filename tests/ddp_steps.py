@@ -97,6 +97,9 @@ def run_steps(rank, world, device, compile, accum, mlp, fp8, dtype):
     else:
         model = runtime.wrap_model(raw, compile, world, device_type, bucket_cap_mb=1)  # several buckets (1 MB: the least DDPOptimizer takes)
     optimizer = raw.configure_optimizers(0.1, 0.0, (0.9, 0.95), device_type)
+    if device_type == "cpu":  # fused AdamW here too (as on GPUs), so that the clipped steps below take its grad_scale
+        optimizer = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]}
+                                       for g in optimizer.param_groups], lr=0.0, betas=(0.9, 0.95), fused=True)
     scaler = torch.amp.GradScaler(device_type, enabled=False)
     autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     cfg = {"compile": compile, "grad_clip": 0.0}
