@@ -1,7 +1,7 @@
 """How large should the classifier's chunks be, and do they gain from holding whole 128-row GEMM tiles
 (classifier.chunk_rows, CHUNK_LOGITS)?
 
-    PYTHONPATH=. python lab/classifier/chunk_probe.py [--parts alone,step] [--rounds 4]
+    PYTHONPATH=. python lab/classifier/chunk_probe.py [--parts alone,step,small] [--rounds 4]
 
 GPT-2's 12288 rows at about 2^27 logits a chunk: five chunks of 2458 rows, each GEMM ending on a tile one fifth full
 ("@2^27~2458", the rule before), or four of 2560 and one of 2048 ("@2^27"); at 2^28, three of 4096 ("@2^28"). The
@@ -44,6 +44,15 @@ def alone_part(rounds):
     rounds_.alone(fns, rounds, M=M, V=V)
 
 
+def small_part(rounds):
+    """The 16-bit operator at the chunks a quarter of compiled eager's peak memory allows (issue 47's memory target:
+    the fp32 dW, 0.14 GiB, leaves about 0.15 GiB for a chunk of logits: 2^26 logits, 128 MiB, or less), against
+    2^28 (the product) and compiled eager."""
+    base = bench_classifier.variants()
+    rounds_.alone({"compile": base["compile"], **{f"fused@2^{e}": chunked(base["fused"], 2 ** e) for e in (25, 26, 28)}},
+                  rounds)
+
+
 CHUNKS = (28, 29)  # the step's chunk sizes (log2 of the logits a chunk); run 2 of results/classifier_chunks: 27, 28
 
 
@@ -67,6 +76,8 @@ def main():
     args = p.parse_args()
     if "alone" in args.parts:
         alone_part(args.rounds)
+    if "small" in args.parts:
+        small_part(args.rounds)
     if "step" in args.parts:
         step_part(args.rounds, args.product)
 

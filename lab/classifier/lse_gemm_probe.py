@@ -2,7 +2,7 @@
 per 128 columns written beside the logits, so the row kernel reads the logits once instead of twice)?
 
     PYTHONPATH=. python lab/classifier/lse_gemm_probe.py [--parts gemm,alone,step] [--rounds 4]
-    (--parts variants, order: gemm with lse_lean_variant.py's epilogues and tile orders beside the product's; they
+    (--parts variants, order, knobs: gemm with lse_lean_variant.py's epilogues and tile orders beside the product's; they
     write fused_ops/hopper/_probe_*.py, to delete after)
 
 gemm:  at one chunk of GPT-2's head (2458 x 768 x 50304, classifier.chunk_rows), do_bench medians: cuBLAS's GEMM
@@ -39,8 +39,8 @@ def without_our_gemm(fn):
     return run
 
 
-def gemm_part(variants=None):
-    M, C, V = 2458, 768, 50304
+def gemm_part(variants=None, M=2458):
+    C, V = 768, 50304
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M, C, device="cuda", generator=g).bfloat16()
     w = (torch.randn(V, C, device="cuda", generator=g) * 0.02).bfloat16()
@@ -151,6 +151,12 @@ def main():
                    for n, a, g in (("plain", False, 64), ("two_pass", True, None), ("two_pass", True, 64),
                                    ("two_pass_fp32", True, None), ("two_pass_fp32", True, 64),
                                    ("two_pass", False, 64))})
+    if "knobs" in parts:  # the product's GEMM with other ring depths and tile orders, at the product's chunk (4096)
+        import os
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from lse_lean_variant import knob_module
+        gemm_part({f"s{s}_g{g}": knob_module(s, g) for s, g in ((4, 64), (5, 64), (5, 32), (4, 8), (5, 8))}, M=4096)
     if "alone" in parts:
         alone_part(args.rounds)
     if "step" in parts:

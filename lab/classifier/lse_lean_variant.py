@@ -87,6 +87,22 @@ def variant_module(name, after=False, group_m=None):
     return _module(body, "_probe_" + tag, after, group_m)
 
 
+def knob_module(stages, group_m):
+    """The product's "lse" GEMM as it is, with `stages` ring slots of 32 KB (the product: 4; 5 fill 224 KB of shared
+    memory with the staging tiles) and LOGITS_GROUP_M = group_m (the product: 64)."""
+    from fused_ops.hopper import pingpong
+    src = inspect.getsource(pingpong)
+    old = '    ("lse", False): (4, 8),'
+    assert src.count(old) == 1 and src.count("\nLOGITS_GROUP_M = 64\n") == 1
+    src = src.replace(old, old.replace("(4, 8)", f"({stages}, 8)"))
+    src = src.replace("\nLOGITS_GROUP_M = 64\n", f"\nLOGITS_GROUP_M = {group_m}\n")
+    name = f"_probe_s{stages}_g{group_m}"
+    path = os.path.join(os.path.dirname(pingpong.__file__), name + ".py")
+    with open(path, "w") as f:
+        f.write(src)
+    return importlib.import_module("fused_ops.hopper." + name)
+
+
 def lean_module():
     return variant_module("lean")
 
