@@ -12,6 +12,10 @@ os.environ.setdefault("FUSED_OPS_AUTOTUNE", "0")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests import fast_interpreter  # noqa: E402  (the interpreter swaps triton.language once a launch: see there)
+
+fast_interpreter.patch_once_a_launch()
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")

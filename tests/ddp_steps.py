@@ -25,6 +25,7 @@ import torch.distributed as dist
 import train
 from helpers import runtime, stopping
 from model import GPT, GPTConfig
+from tests import fast_interpreter
 
 VOCAB, T, BATCH = 96, 32, 4
 # Steps checked at lr 0: on GPUs 4 (under CUDA graphs a warm-up run, the capture, then replays), on the CPU 2 (the
@@ -134,6 +135,7 @@ def worker(rank, world, port, backend, cases, out):
     """Runs every case (compile, accum, mlp, fp8) in this process and saves what run_steps returned for each, and
     what stop_agreement returned under "stop"."""
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    fast_interpreter.patch_once_a_launch()  # (a spawned process does not load conftest.py)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":

@@ -22,6 +22,7 @@ from fused_ops.fp8 import graphs as op_graphs
 from fused_ops.graphs import MLPGraphs
 from helpers import runtime
 from model import GPT, GPTConfig
+from tests import fast_interpreter
 
 VARIANTS = ("fused", "fused_graphs", "fp8", "fp8_graphs", "fp8_compiled")
 STEPS, BATCH = 4, 4
@@ -82,6 +83,7 @@ def assert_ranks_in_step(two_processes, variant):
 
 
 def _worker(rank, world, port, out):
+    fast_interpreter.patch_once_a_launch()  # (a spawned process does not load conftest.py)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.save({v: train(v, rank, world) for v in VARIANTS}, f"{out}/{rank}.pt")
