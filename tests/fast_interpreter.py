@@ -12,8 +12,9 @@ nested. The launch's own swap lists the modules too; that listing is made once h
 With both, on a 2-core CPU (`python -m pytest -q -n 2`), the whole suite took 9:22 where it took 13:01; within it,
 test_fp8_trains_and_resumes 45 s where it took 61, test_layernorm_fold's float64 gradcheck 22 where it took 39.
 
-What is kept: a device function whose module sees a language module the launch did not swap runs Triton's own
-_patch_lang; a Triton without these names is left as it is."""
+What is kept: outside a launch (a device function called from Python), and for a device function whose module sees
+a language module the launch did not swap, or none, Triton's own _patch_lang runs; a Triton without these names is
+left as it is."""
 
 import inspect
 import os
@@ -25,35 +26,37 @@ def patch_once_a_launch():
     try:
         import triton.language as tl
         from triton.runtime import interpreter
-        original, Scope = interpreter._patch_lang, interpreter._LangPatchScope
+        original, Scope, Launch = interpreter._patch_lang, interpreter._LangPatchScope, interpreter.GridExecutor
+        launch_call = Launch.__call__
     except (ImportError, AttributeError):
         return
     if getattr(original, "once_a_launch", False):
         return  # (applied already in this process)
-    launch = []  # the ids of the language modules the running launch swapped (empty between launches)
+    launch = []  # while a launch runs: the ids of the language modules its own swap covered
 
     def languages(fn):  # the modules _patch_lang swaps for fn
         return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
 
-    class LaunchScope(Scope):
-        def restore(self):  # the launch has ended (the interpreter restores its scope in a finally)
-            try:
-                super().restore()
-            finally:
-                launch.clear()
+    def run_launch(self, *args, **kwargs):
+        launch.clear()
+        launch.append(None)  # (a launch has begun; its first _patch_lang is its own swap)
+        try:
+            return launch_call(self, *args, **kwargs)  # (it restores its swap in a finally)
+        finally:
+            launch.clear()
 
     def patch_lang(fn):
         seen = languages(fn)
-        if launch and seen <= launch[0]:
+        if launch and launch[0] is not None and seen and seen <= launch[0]:
             return Scope()  # a device function inside a launch that has swapped its modules: nothing to do
         scope = original(fn)
-        if not launch:  # a launch's own swap
-            scope.__class__ = LaunchScope
-            launch.append(seen)
+        if launch and launch[0] is None:  # the launch's own swap
+            launch[0] = seen
         return scope
 
     patch_lang.once_a_launch = True
     interpreter._patch_lang = patch_lang
+    Launch.__call__ = run_launch
 
     # A launch's own swap lists the members of each module too: list them once, then look up only the builtins'
     # names (a builtin already swapped is left alone, as Triton's own listing would find it no longer a builtin).
