@@ -9,8 +9,9 @@ lists every member of the language's modules (inspect.getmembers) to find that o
 FP8 tests' time: cProfile of tests/test_train.py::test_fp8_trains_and_resumes, 8232 calls, 26 of 117 s, 96% of them
 nested. The launch's own swap lists the modules too; that listing is made once here.
 
-With both, on a 2-core CPU (`python -m pytest -q -n 2`), the whole suite took 9:22 where it took 13:01; within it,
-test_fp8_trains_and_resumes 45 s where it took 61, test_layernorm_fold's float64 gradcheck 22 where it took 39.
+With both, on a 2-core CPU (`python -m pytest -q -n 2`), the whole suite took 9:22 and 9:39 (two runs) where it
+took 13:01; within it, test_fp8_trains_and_resumes 45-49 s where it took 61, test_layernorm_fold's float64 gradcheck
+22 where it took 39.
 
 What is kept: outside a launch (a device function called from Python), and for a device function whose module sees
 a language module the launch did not swap, or none, Triton's own _patch_lang runs; a Triton without these names is
