@@ -410,9 +410,12 @@ def test_fp8_trains_and_resumes(dataset, tmp_path):
         assert distance <= 0.15, (len(which), distance)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")]), pytest.param("cuda:1", marks=[pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")])])
+CUDA = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", ["cpu", *CUDA, pytest.param("cuda:1", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")])])
 def test_to_host_reads_the_value_as_it_was_when_asked(device):
     """train_step asks for the loss before the backward is queued and reads it after: on CUDA the value read is the
     one queued then, whatever runs on the GPU in between (the copy is queued, not waited for)."""
@@ -425,10 +428,6 @@ def test_to_host_reads_the_value_as_it_was_when_asked(device):
     if device.startswith("cuda"):  # (cuda:1: not the current device; the copy's event must be recorded there)
         s.add_(1.0)  # and a change to the tensor itself, queued after the copy
     assert read() == expected
-
-
-CUDA = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                        reason="needs a CUDA GPU")])]
 
 
 @pytest.mark.parametrize("device", ["cpu"] + CUDA)
