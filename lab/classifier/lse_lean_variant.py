@@ -96,11 +96,7 @@ def knob_module(stages, group_m):
     assert src.count(old) == 1 and src.count("\nLOGITS_GROUP_M = 64\n") == 1
     src = src.replace(old, old.replace("(4, 8)", f"({stages}, 8)"))
     src = src.replace("\nLOGITS_GROUP_M = 64\n", f"\nLOGITS_GROUP_M = {group_m}\n")
-    name = f"_probe_s{stages}_g{group_m}"
-    path = os.path.join(os.path.dirname(pingpong.__file__), name + ".py")
-    with open(path, "w") as f:
-        f.write(src)
-    return importlib.import_module("fused_ops.hopper." + name)
+    return _write_module(src, f"_probe_s{stages}_g{group_m}")
 
 
 def lean_module():
@@ -127,7 +123,12 @@ def _module(body, module_name, after=False, group_m=None):
     for old in ("\nGROUP_M = 8  #", "\nLOGITS_GROUP_M = 64\n"):
         assert src.count(old) == 1
         src = src.replace(old, old.replace("8", str(group_m)).replace("64", str(group_m)))
-    src = "import triton.language as tl\n" + src
+    return _write_module("import triton.language as tl\n" + src, module_name)
+
+
+def _write_module(src, module_name):
+    """src written as fused_ops/hopper/<module_name>.py (a probe's, to delete after) and imported."""
+    from fused_ops.hopper import pingpong
     path = os.path.join(os.path.dirname(pingpong.__file__), module_name + ".py")
     with open(path, "w") as f:
         f.write(src)
