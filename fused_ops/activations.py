@@ -179,3 +179,20 @@ def gelu_and_grad_16bit(x):
     xl = tl.where(x < -TAIL, -TAIL, x)
     xc = tl.where(xl > TAIL, TAIL, xl)
     return xl * cdf, cdf + xc * gauss * INV_SQRT_2PI
+
+
+@triton.jit
+def activation_and_grad(x, NAME: tl.constexpr, FAST16: tl.constexpr):
+    """(activation(x, NAME), activation_grad(x, NAME)) in one go, what an epilogue that saves dh/dz needs.
+
+    FAST16 (the outputs are 16-bit): GELU and SiLU share their transcendental between the value and the derivative
+    (gelu_and_grad_16bit, silu_and_grad), within an ulp or so of fp32 and far under a 16-bit output's rounding. In a
+    matmul's epilogue the activation math, not the stores, was what the tile waited on: libdevice's erf, evaluated
+    twice, costs more instructions an element than the main loop issues (results/portable/). fp32 outputs keep the
+    exact pair."""
+    if FAST16 and NAME == "gelu":
+        return gelu_and_grad_16bit(x)
+    elif FAST16 and NAME == "silu":
+        return silu_and_grad(x)
+    else:
+        return activation(x, NAME), activation_grad(x, NAME)

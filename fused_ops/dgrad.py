@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .activations import kernel_activations
 from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
-                     tile_ids, tma_operands)
+                     tile_ids, tiles, tma_operands)
 from . import backends, tuning
 from .tuning import launch_matmul
 
@@ -48,24 +48,27 @@ def dgrad_kernel(
     EVEN_K: tl.constexpr, INT64: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     # grad_h (M, N) = grad_y (M, K) @ W2 (K, N); here K is the model width and N the hidden size.
-    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    grad_h = matmul_loop(g_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_gm, stride_gk,
-                         stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64,
-                         BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR)[0]
-    # The saved tensor is read after the main loop: held in registers across it, it would push the tile
-    # over the register file and spill.
-    if SPLIT_EPILOGUE:  # one half of the tile's columns at a time
-        left, right = split_columns(grad_h, BLOCK_M, BLOCK_N)
-        dgrad_epilogue(left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), pid_m, M, N, saved_ptr, out_ptr,
-                       dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
-        dgrad_epilogue(right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), pid_m, M, N, saved_ptr, out_ptr,
-                       dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
-    else:
-        dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, N, saved_ptr, out_ptr,
-                       dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
+    # One output tile per loop trip (see matmul.tiles: one trip per program unless the grid is persistent).
+    for tile in tl.range(tl.program_id(0), tiles(M, N, BLOCK_M, BLOCK_N), tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        grad_h = matmul_loop(g_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_gm, stride_gk,
+                             stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64,
+                             BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR)[0]
+        # The saved tensor is read after the main loop: held in registers across it, it would push the tile
+        # over the register file and spill.
+        if SPLIT_EPILOGUE:  # one half of the tile's columns at a time
+            left, right = split_columns(grad_h, BLOCK_M, BLOCK_N)
+            dgrad_epilogue(left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), pid_m, M, N, saved_ptr, out_ptr,
+                           dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
+            dgrad_epilogue(right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), pid_m, M, N, saved_ptr, out_ptr,
+                           dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
+        else:
+            dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, N, saved_ptr, out_ptr,
+                           dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
 
 
 def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):

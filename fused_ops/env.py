@@ -30,3 +30,24 @@ TUNING_CACHE = os.environ.get("FUSED_OPS_TUNING_CACHE", os.path.join(
 PINGPONG = os.environ.get("FUSED_OPS_PINGPONG", "1") == "1"
 GRAPHS = os.environ.get("FUSED_OPS_GRAPHS", "1") != "0"
 PRECOMPILE = os.environ.get("FUSED_OPS_PRECOMPILE", "1") != "0"
+
+
+class overridden:
+    """with env.overridden(PINGPONG=False, TMA_MODE="0"): these switches changed for the block, then put back: the
+    benchmarks time the portable kernels (what a GPU without the Hopper kernels runs) beside the ping-pong ones in
+    one process. Switches frozen into kernels at import (INTERPRET) cannot be changed so."""
+
+    def __init__(self, **switches):
+        unknown = [k for k in switches if k not in globals() or k == "INTERPRET"]
+        if unknown:
+            raise ValueError(f"env.overridden: no switch {unknown[0]!r} can be changed at run time")
+        self.switches, self.before = switches, {}
+
+    def __enter__(self):
+        self.before = {k: globals()[k] for k in self.switches}
+        globals().update(self.switches)
+        return self
+
+    def __exit__(self, *exc):
+        globals().update(self.before)
+        return False

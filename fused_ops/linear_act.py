@@ -25,17 +25,18 @@ import triton
 import triton.language as tl
 
 from . import backends
-from .activations import activation, activation_grad, kernel_activations
+from .activations import activation, activation_and_grad, kernel_activations
 from .layernorm import layernorm_stats
 from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
-                     tile_ids, tma_operands)
+                     tile_ids, tiles, tma_operands)
 from .tuning import TRANSPOSE_WEIGHT_MIN_M, launch_matmul
 
 
 @triton.jit
 def linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
                         ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, ACC_DTYPE: tl.constexpr, INT64: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, ACC_DTYPE: tl.constexpr, INT64: tl.constexpr,
+                        FAST16: tl.constexpr):
     """Bias, activation and the stores for output columns offs_n of a tile still in registers."""
     n_mask = offs_n < N
     mask = (offs_m < M)[:, None] & n_mask[None, :]
@@ -44,19 +45,23 @@ def linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr
         if GATED:
             z_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
-    gate = activation(z, ACTIVATION)
-    up = activation(z_up, UP_ACTIVATION) if GATED else gate
+    if SAVE:  # the value and its derivative together: they share their transcendentals (activation_and_grad)
+        gate, gate_grad = activation_and_grad(z, ACTIVATION, FAST16)
+        up, up_grad = gate, gate_grad
+        if GATED:
+            up, up_grad = activation_and_grad(z_up, UP_ACTIVATION, FAST16)
+    else:
+        gate = activation(z, ACTIVATION)
+        up = activation(z_up, UP_ACTIVATION) if GATED else gate
     out = gate * up if GATED else gate
     tl.store(out_ptr + rows * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
     if SAVE:  # dh/dz, what backward needs (see the module docstring)
         saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :]
         if GATED:
-            dh_dgate = up * activation_grad(z, ACTIVATION)
-            dh_dup = gate * activation_grad(z_up, UP_ACTIVATION)
-            tl.store(saved_ptrs, dh_dgate.to(saved_ptr.dtype.element_ty), mask=mask)
-            tl.store(saved_ptrs + N, dh_dup.to(saved_ptr.dtype.element_ty), mask=mask)
+            tl.store(saved_ptrs, (up * gate_grad).to(saved_ptr.dtype.element_ty), mask=mask)
+            tl.store(saved_ptrs + N, (gate * up_grad).to(saved_ptr.dtype.element_ty), mask=mask)
         else:
-            tl.store(saved_ptrs, activation_grad(z, ACTIVATION).to(saved_ptr.dtype.element_ty), mask=mask)
+            tl.store(saved_ptrs, gate_grad.to(saved_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -64,36 +69,41 @@ def linear_act_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, saved_ptr, stats_ptr, ln_w_ptr, ln_b_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_sm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, FAST16: tl.constexpr,
     LN_FOLD: tl.constexpr, LN_WEIGHT: tl.constexpr, LN_BIAS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
     TMA: tl.constexpr, B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # B = W.T: step along K with W's column stride, along N with its row stride. The up half starts N rows down.
-    # With LN_FOLD, x is the raw input and each A tile is normalized as it is loaded (see matmul_loop).
-    z, z_up = matmul_loop(
-        x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-        N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
-        TMA=TMA, B_KMAJOR=B_KMAJOR, stats_ptr=stats_ptr, ln_w_ptr=ln_w_ptr, ln_b_ptr=ln_b_ptr,
-        LAYERNORM=LN_FOLD, LN_WEIGHT=LN_WEIGHT, LN_BIAS=LN_BIAS)
-    if SPLIT_EPILOGUE:  # the epilogue on one half of the tile's columns at a time
-        z_left, z_right = split_columns(z, BLOCK_M, BLOCK_N)
-        up_left, up_right = z_left, z_right
-        if GATED:
-            up_left, up_right = split_columns(z_up, BLOCK_M, BLOCK_N)
-        linear_act_epilogue(z_left, up_left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), M, N, b_ptr, out_ptr,
-                            saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE,
-                            ACC_DTYPE, INT64)
-        linear_act_epilogue(z_right, up_right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), M, N, b_ptr, out_ptr,
-                            saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE,
-                            ACC_DTYPE, INT64)
-    else:
-        linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
-                            ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, ACC_DTYPE, INT64)
+    # One output tile per loop trip: one trip per program, or with a persistent grid (PERSISTENT, see
+    # matmul.tiles) a program walks tiles grid-stride, and with FLATTEN the compiler pipelines the next tile's
+    # loads under this tile's epilogue.
+    for tile in tl.range(tl.program_id(0), tiles(M, N, BLOCK_M, BLOCK_N), tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # B = W.T: step along K with W's column stride, along N with its row stride. The up half starts N rows
+        # down. With LN_FOLD, x is the raw input and each A tile is normalized as it is loaded (see matmul_loop).
+        z, z_up = matmul_loop(
+            x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+            N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
+            TMA=TMA, B_KMAJOR=B_KMAJOR, stats_ptr=stats_ptr, ln_w_ptr=ln_w_ptr, ln_b_ptr=ln_b_ptr,
+            LAYERNORM=LN_FOLD, LN_WEIGHT=LN_WEIGHT, LN_BIAS=LN_BIAS)
+        if SPLIT_EPILOGUE:  # the epilogue on one half of the tile's columns at a time
+            z_left, z_right = split_columns(z, BLOCK_M, BLOCK_N)
+            up_left, up_right = z_left, z_right
+            if GATED:
+                up_left, up_right = split_columns(z_up, BLOCK_M, BLOCK_N)
+            linear_act_epilogue(z_left, up_left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), M, N, b_ptr,
+                                out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
+                                HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
+            linear_act_epilogue(z_right, up_right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), M, N, b_ptr,
+                                out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
+                                HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
+        else:
+            linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
+                                ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
 
 
 def linear_act_forward(x, weight, bias, activation, save=True, out=None, saved=None):
@@ -152,7 +162,7 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
             ln_bias if ln_bias is not None else weight, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), saved.stride(0) if save else 0)
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, SAVE=save,
-                  LN_FOLD=ln is not None, LN_WEIGHT=ln_weight is not None, LN_BIAS=ln_bias is not None,
+                  FAST16=weight.dtype in (torch.float16, torch.bfloat16), LN_FOLD=ln is not None, LN_WEIGHT=ln_weight is not None, LN_BIAS=ln_bias is not None,
                   ACC_DTYPE=acc_dtype, PRECISION=precision,
                   INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("linear_act", N, K, x.dtype, weight.dtype, weight.stride(), x.device, *consts.values())

@@ -33,6 +33,16 @@ def tile_ids(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
+def tiles(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many output tiles an (M, N) result has. A kernel walks them as
+    `for tile in tl.range(tl.program_id(0), tiles(...), tl.num_programs(0))`: with one program per tile (the
+    default grid) that is one trip; with a persistent grid (a config's PERSISTENT programs per SM, see
+    tuning._grid_and_args) each program walks several, and the compiler can overlap one tile's epilogue with the
+    next one's first loads (tl.range's flatten)."""
+    return tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+
+
+@triton.jit
 def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, b2_offset,
                 ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TWO_B: tl.constexpr,
@@ -72,7 +82,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     if TMA:
-        tl.static_assert(not LAYERNORM and not UPCAST, "the LayerNorm fold and FP8 operands read through pointers")
+        tl.static_assert(not LAYERNORM and not UPCAST, "the LayerNorm fold and upcast FP8 operands read through pointers")
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -164,7 +174,13 @@ def _tma_readable(t, dtypes=(torch.float16, torch.bfloat16, torch.float32)):
             and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
-def tma_operands(a, b_kn):
+def fp8_mma_available(device):
+    """Whether tl.dot takes FP8 operands as they are, on FP8 tensor cores: Ada and Hopper GPUs (compute capability
+    8.9 and up). Elsewhere (Ampere, the interpreter) the FP8 kernels widen each tile to fp16 first (UPCAST)."""
+    return device.type == "cuda" and not env.INTERPRET and _capability(device.index) >= (8, 9)
+
+
+def tma_operands(a, b_kn, dtypes=(torch.float16, torch.bfloat16, torch.float32)):
     """The operands the TMA loop reads, or [] when it cannot (then the pointer loop does).
 
     For A (M, K) and B (K, N) = b_kn passed as a kernel's first two arguments, returns
@@ -172,11 +188,11 @@ def tma_operands(a, b_kn):
     contiguous (the row-major (N, K) weight of a linear layer) is described as the (N, K) matrix it is
     the transpose of, and the kernel transposes each loaded tile.
     """
-    if not tma_available(a.device) or not _tma_readable(a):
+    if not tma_available(a.device) or not _tma_readable(a, dtypes):
         return [], False
-    if _tma_readable(b_kn):
+    if _tma_readable(b_kn, dtypes) and a.element_size() > 1:  # (FP8 MMAs take B K-major only)
         return [(0, a, ("BLOCK_M", "BLOCK_K")), (1, b_kn, ("BLOCK_K", "BLOCK_N"))], False
-    if _tma_readable(b_kn.t()):
+    if _tma_readable(b_kn.t(), dtypes):
         return [(0, a, ("BLOCK_M", "BLOCK_K")), (1, b_kn.t(), ("BLOCK_N", "BLOCK_K"))], True
     return [], False
 

@@ -46,9 +46,13 @@ BEFORE_TIMING = []
 _plans = {}  # tuning key -> LaunchPlan
 
 
-def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None, split=True):
-    """split: run the epilogue on half the tile's columns at a time (SPLIT_EPILOGUE, see split_columns)."""
-    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m, "SPLIT_EPILOGUE": split}
+def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None, split=True, persistent=0,
+            flatten=False):
+    """split: run the epilogue on half the tile's columns at a time (SPLIT_EPILOGUE, see split_columns).
+    persistent: launch that many programs per SM, each walking output tiles grid-stride, instead of one program per
+    tile (0); flatten: let the compiler pipeline across the tiles a program walks (matmul.tiles)."""
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": group_m, "SPLIT_EPILOGUE": split,
+            "PERSISTENT": persistent, "FLATTEN": flatten}
     cfg = triton.Config(meta, num_warps=warps, num_stages=stages)
     cfg.maxnreg = maxnreg  # an attribute of Config only in newer Triton: set here, passed at launch
     return cfg
@@ -63,8 +67,8 @@ def matmul_configs(gated=False, dtype=None, all_configs=False):
     8-warp one capped at 128 registers a thread beside the larger tiles. Which wins depends on the GPU and
     the shape, so all are timed (docs/performance.md has what was measured). all_configs: every candidate even
     when FUSED_OPS_AUTOTUNE=0 (which keeps the first)."""
-    if env.INTERPRET:
-        return [_config(32, 32, 32, 4, 1, group_m=2)]
+    if env.INTERPRET:  # (persistent: two programs, each walking several tiles of the tests' shapes)
+        return [_config(32, 32, 32, 4, 1, group_m=2, persistent=1)]
     if gated:
         configs = [
             _config(128, 128, 64, 8, 3),
@@ -125,12 +129,25 @@ def _constexprs(consts, cfg, K):
 
 
 def _grid_and_args(cfg, M, N, args, descriptors):
-    """One program per output tile, and the arguments with TMA operands turned into tensor descriptors."""
+    """One program per output tile (or, with a persistent config, at most PERSISTENT per SM), and the arguments with
+    TMA operands turned into tensor descriptors."""
     meta = cfg.kwargs
     call_args = list(args)
     for i, t, block in descriptors:
         call_args[i] = TensorDescriptor.from_tensor(t, [meta[d] for d in block])
-    return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), 1, 1), call_args
+    programs = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
+    if meta.get("PERSISTENT"):
+        programs = min(programs, meta["PERSISTENT"] * _processors())
+    return (programs, 1, 1), call_args
+
+
+@functools.lru_cache(maxsize=None)
+def _processors(index=None):
+    """Streaming multiprocessors of the current GPU (a persistent grid's unit); 2 under the interpreter, so that
+    the CPU tests' persistent programs each walk several tiles."""
+    if env.INTERPRET or not torch.cuda.is_available():
+        return 2
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
 
 
 def _jit_launch(kernel, grid, args, constexprs, cfg):

@@ -61,15 +61,16 @@ import triton
 import triton.language as tl
 
 from .. import env
-from ..activations import activation, activation_grad, kernel_activations
+from ..activations import activation_and_grad, kernel_activations
 from ..casts import quantize, to_fp16
-from ..matmul import column_offsets, matmul_loop, needs_int64, tile_ids
+from ..matmul import column_offsets, fp8_mma_available, matmul_loop, needs_int64, tile_ids, tiles, tma_operands
 from ..tuning import _config, cdiv, launch, launch_matmul, matmul_configs, tuned_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 X, H, GRAD_Y, GRAD_Z = range(4)  # the slots of FP8State: the tensors quantized with delayed scales
 SLOT_DTYPES = (E4M3, E4M3, E5M2, E5M2)
+FP8_DTYPES = (E4M3, E5M2)  # what the FP8 main loops read through TMA
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -181,8 +182,10 @@ def fp8_act_epilogue(z, z_up, inv, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, save
             z_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(ACC_DTYPE)[None, :]
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
     cols = (offs_n.to(tl.int64) if INT64 else offs_n)[None, :]
-    gate = activation(z, ACTIVATION)
-    up = activation(z_up, UP_ACTIVATION) if GATED else gate
+    gate, gate_grad = activation_and_grad(z, ACTIVATION, True)  # (dh/dz is saved in 16 bits)
+    up, up_grad = gate, gate_grad
+    if GATED:
+        up, up_grad = activation_and_grad(z_up, UP_ACTIVATION, True)
     # hᵀ is written by a second pass (transpose_fp8): stored from this epilogue it came out wrong on an H100
     # with Triton 3.6 (tl.trans of the accumulator's tile), where the dgrad epilogue's is right.
     _store_quantized(gate * up if GATED else gate, offs_m, offs_n, n_mask, M, Mp, h8_ptr, N, h8_ptr, Mp,
@@ -190,11 +193,10 @@ def fp8_act_epilogue(z, z_up, inv, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, save
     mask = (rows < M) & n_mask[None, :]
     saved_ptrs = saved_ptr + rows * stride_sm + cols
     if GATED:
-        tl.store(saved_ptrs, (up * activation_grad(z, ACTIVATION)).to(saved_ptr.dtype.element_ty), mask=mask)
-        tl.store(saved_ptrs + N, (gate * activation_grad(z_up, UP_ACTIVATION)).to(saved_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(saved_ptrs, (up * gate_grad).to(saved_ptr.dtype.element_ty), mask=mask)
+        tl.store(saved_ptrs + N, (gate * up_grad).to(saved_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(saved_ptrs, activation_grad(z, ACTIVATION).to(saved_ptr.dtype.element_ty), mask=mask)
+        tl.store(saved_ptrs, gate_grad.to(saved_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -203,20 +205,25 @@ def fp8_linear_act_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
-    TMA: tl.constexpr, B_KMAJOR: tl.constexpr, EMULATE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
+    TMA: tl.constexpr, B_KMAJOR: tl.constexpr, EMULATE: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """linear_act.linear_act_kernel's main loop on FP8 x and W (upcast: see matmul_loop), with fp8_act_epilogue."""
-    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    z, z_up = matmul_loop(
-        x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-        N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
-        TMA=TMA, B_KMAJOR=B_KMAJOR, UPCAST=True)
+    """linear_act.linear_act_kernel's main loop on FP8 x and W (FP8 MMAs, or upcast where the GPU has none: see
+    matmul_loop), with fp8_act_epilogue."""
     tl.static_assert(not SPLIT_EPILOGUE, "fp8_configs: whole-tile epilogues")
-    fp8_act_epilogue(z, z_up, tl.load(x_inv_ptr) * tl.load(w_inv_ptr), offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), M, Mp, N, b_ptr, h8_ptr,
-                     saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS,
-                     ACC_DTYPE, INT64, EMULATE)
+    inv = tl.load(x_inv_ptr) * tl.load(w_inv_ptr)
+    for tile in tl.range(tl.program_id(0), tiles(M, N, BLOCK_M, BLOCK_N), tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        z, z_up = matmul_loop(
+            x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+            N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
+            TMA=TMA, B_KMAJOR=B_KMAJOR, UPCAST=UPCAST)
+        fp8_act_epilogue(z, z_up, inv, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), M, Mp, N, b_ptr, h8_ptr,
+                         saved_ptr, scale_ptr, amax_ptr, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS,
+                         ACC_DTYPE, INT64, EMULATE)
 
 
 @triton.jit
@@ -245,21 +252,23 @@ def fp8_dgrad_kernel(
     stride_gm, stride_gk, stride_wk, stride_wn, stride_sm, stride_dbm,
     GATED: tl.constexpr, BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, INT64: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr, EMULATE: tl.constexpr,
-    SPLIT_EPILOGUE: tl.constexpr,
+    UPCAST: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """dgrad.dgrad_kernel's main loop on FP8 grad_y and W2 (grad_h = grad_y @ W2, upcast: see matmul_loop), with
-    fp8_dgrad_epilogue."""
-    pid_m, pid_n = tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    grad_h = matmul_loop(g_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_gm, stride_gk,
-                         stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64,
-                         BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR, UPCAST=True)[0]
-    grad_h = grad_h * (tl.load(g_inv_ptr) * tl.load(w_inv_ptr))
+    """dgrad.dgrad_kernel's main loop on FP8 grad_y and W2 (grad_h = grad_y @ W2: FP8 MMAs, or upcast, see
+    matmul_loop), with fp8_dgrad_epilogue."""
     tl.static_assert(not SPLIT_EPILOGUE, "fp8_configs: whole-tile epilogues")
-    fp8_dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, Mp, N, saved_ptr, gz8_ptr,
-                       gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED, BIAS_GRAD,
-                       ACC_DTYPE, INT64, EMULATE)
+    inv = tl.load(g_inv_ptr) * tl.load(w_inv_ptr)
+    for tile in tl.range(tl.program_id(0), tiles(M, N, BLOCK_M, BLOCK_N), tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        grad_h = matmul_loop(g_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_gm, stride_gk,
+                             stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64,
+                             BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR, UPCAST=UPCAST)[0]
+        fp8_dgrad_epilogue(grad_h * inv, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, Mp, N, saved_ptr,
+                           gz8_ptr, gzt8_ptr, dbias_ptr, scale_ptr, amax_ptr, stride_sm, stride_dbm, GATED,
+                           BIAS_GRAD, ACC_DTYPE, INT64, EMULATE)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -339,7 +348,7 @@ def fp8_configs(gated, dtype):
     copy goes through shared memory (tl.trans), and on an H100 with Triton 3.6 tl.trans of a half tile from
     split_columns stored wrong values."""
     if env.INTERPRET:
-        return [_config(32, 32, 32, 4, 1, group_m=2, split=False)]
+        return [_config(32, 32, 32, 4, 1, group_m=2, split=False, persistent=1)]
     configs = [c for c in matmul_configs(gated, dtype, all_configs=True)
                if not c.kwargs["SPLIT_EPILOGUE"] and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
     return configs if env.AUTOTUNE else configs[:1]
@@ -356,10 +365,14 @@ def fp8_linear_act(x8, w8, inv, bias, activation, state, dtype):
     saved = torch.empty((M, w8.shape[0]), device=x8.device, dtype=dtype)
     args = (x8, w8, bias if bias is not None else saved, h8, saved, *state.slot(H)[:2], *inv,
             M, Mp, N, K, x8.stride(0), x8.stride(1), w8.stride(0), w8.stride(1), saved.stride(0))
+    native = fp8_mma_available(x8.device)
+    descriptors, b_kmajor = tma_operands(x8, w8.t(), FP8_DTYPES) if native else ([], True)
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, ACC_DTYPE=tl.float32,
-                  PRECISION="ieee", INT64=needs_int64(x8, w8, saved, h8), TMA=False, B_KMAJOR=True, EMULATE=env.INTERPRET)
+                  PRECISION="ieee", INT64=needs_int64(x8, w8, saved, h8), TMA=bool(descriptors), B_KMAJOR=b_kmajor,
+                  EMULATE=env.INTERPRET, UPCAST=not native)
     key = ("fp8_linear_act", N, K, dtype, w8.stride(), x8.device, *consts.values())
-    launch_matmul(fp8_linear_act_kernel, M, N, K, args, consts, gated, dtype, key, configs=fp8_configs(gated, dtype))
+    launch_matmul(fp8_linear_act_kernel, M, N, K, args, consts, gated, dtype, key, descriptors=descriptors,
+                  configs=fp8_configs(gated, dtype))
     return h8, transpose_fp8(h8, Mp, state), saved
 
 
@@ -372,8 +385,11 @@ def fp8_dgrad(gy8, w2, inv, saved, activation, state, bias_grad):
     Mp = _padded(M)
     gz8 = torch.empty((M, width), device=saved.device, dtype=E5M2)
     gzt8 = torch.empty((width, Mp), device=saved.device, dtype=E5M2)
+    native = fp8_mma_available(gy8.device)
+    descriptors, b_kmajor = tma_operands(gy8, w2, FP8_DTYPES) if native else ([], False)
     consts = dict(GATED=gated, BIAS_GRAD=bias_grad, ACC_DTYPE=tl.float32, PRECISION="ieee",
-                  INT64=needs_int64(gy8, w2, saved, gzt8), TMA=False, B_KMAJOR=False, EMULATE=env.INTERPRET)
+                  INT64=needs_int64(gy8, w2, saved, gzt8), TMA=bool(descriptors), B_KMAJOR=b_kmajor,
+                  EMULATE=env.INTERPRET, UPCAST=not native)
     key = ("fp8_dgrad", N, K, saved.dtype, w2.stride(), gy8.device, *consts.values())
     cfg = tuned_config(key)  # one row of column sums per row-tile (before tuning: of the smallest BLOCK_M)
     configs = fp8_configs(False, saved.dtype)
@@ -381,5 +397,6 @@ def fp8_dgrad(gy8, w2, inv, saved, activation, state, bias_grad):
     partial = torch.empty((cdiv(M, block_m), width), device=saved.device, dtype=torch.float32) if bias_grad else gz8
     args = (gy8, w2, saved, gz8, gzt8, partial, *state.slot(GRAD_Z)[:2], *inv, M, Mp, N, K,
             gy8.stride(0), gy8.stride(1), w2.stride(0), w2.stride(1), saved.stride(0), partial.stride(0))
-    cfg = launch_matmul(fp8_dgrad_kernel, M, N, K, args, consts, False, saved.dtype, key, configs=configs)
+    cfg = launch_matmul(fp8_dgrad_kernel, M, N, K, args, consts, False, saved.dtype, key, descriptors=descriptors,
+                        configs=configs)
     return gz8, gzt8, (partial[: cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0) if bias_grad else None)
