@@ -13,6 +13,10 @@ peak GPU memory (allocated; reserved holds CUDA graphs' pools). Writes JSON, CSV
 out-bench/bench_<config>.*; results/ holds what the docs cite, only with --out=results/...). --compile takes a
 torch.compile mode too. --mlps=fp8: the fused MLP in FP8; fp8blocks: the attention's projections too; torchao: the
 eager MLP through torchao's float8 (where installed); +cls adds the fused classifier (fused+cls), +cls8 its FP8 form.
++portable runs a variant on the portable kernels (FUSED_OPS_PINGPONG=0: what a GPU without the Hopper kernels runs),
++pointer also with the pointer main loop (FUSED_OPS_TMA=0: Ampere's and Ada's), beside the others in the same process:
+
+    python bench.py configs/gpt2_124m.py --mlps=eager,fused+cls,fused+cls+portable --compile=reduce-overhead --rounds=4
 --rounds=N builds every variant, then times them in N rounds, the order reversed each time (a first variant can run slower: results/bench_gpt2_124m_uncompiled_orders_h100.txt):
 
     python bench.py configs/gpt2_124m.py --compile=False --rounds=4 --steps=10
@@ -44,6 +48,7 @@ from tqdm import tqdm
 
 import bench_mlp
 import train
+from fused_ops import env as fused_env
 from helpers import config, errors, runtime
 from model import GPT, GPTConfig
 
@@ -63,7 +68,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     ap.add_argument("--mlps", default="eager,fused",
                     help="of eager, fused, auto, fp8 (fused in FP8), fp8blocks (attention's linears too), torchao (the "
-                         "eager MLP through torchao's float8, if installed); +cls: the fused classifier, +cls8 in FP8")
+                         "eager MLP through torchao's float8, if installed); +cls: the fused classifier, +cls8 in FP8; "
+                         "+portable: on the portable kernels (FUSED_OPS_PINGPONG=0), +pointer: also FUSED_OPS_TMA=0")
     ap.add_argument("--compile", default="False,True",
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
                          "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
@@ -93,7 +99,7 @@ def parse_args(argv=None):
     if args.dtype not in (None, "bfloat16", "float16", "float32"):
         raise errors.UsageError(f"--dtype={args.dtype}: expected bfloat16, float16 or float32")
     dtype, mlps = str(pick_dtype(args)).removeprefix("torch."), args.mlps.split(",")
-    for mlp in (m.partition("+cls")[0] for m in mlps):  # every variant checked before the first one is timed
+    for mlp in (kernel_family(m)[0].partition("+cls")[0] for m in mlps):  # all checked before the first is timed
         if mlp not in MLPS:
             raise errors.UsageError(f"--mlps={args.mlps}: {mlp!r} is not one of {', '.join(MLPS)}")
         runtime.check_interpreter_dtype("fused" if "fp8" in mlp else mlp, args.device, dtype, f"--mlps={mlp}")
@@ -103,6 +109,16 @@ def parse_args(argv=None):
 
 
 MLPS = ("eager", "fused", "auto", "fp8", "fp8blocks", "torchao")
+FAMILIES = {"+portable": bench_mlp.FAMILIES["portable"], "+pointer": bench_mlp.FAMILIES["pointer"]}
+
+
+def kernel_family(mlp):
+    """(the variant without its kernel family, the fused_ops.env switches that select the family): "fused+cls+portable"
+    is ("fused+cls", {"PINGPONG": False})."""
+    for tag, switches in FAMILIES.items():
+        if mlp.endswith(tag):
+            return mlp[: -len(tag)], switches
+    return mlp, {}
 
 
 def pick_dtype(args):
@@ -154,6 +170,7 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     """(model, step): one variant's model from `state`; step(i): train.py's step on batches[i % len(batches)], which
     returns the loss (a float, read once the last forward is done)."""
     torch.manual_seed(0)
+    mlp, switches = kernel_family(mlp)
     mlp, cls, eight = mlp.partition("+cls")
     classifier = "fp8" if eight == "8" else "fused" if cls else "eager"
     fp8 = mlp.startswith("fp8")  # the fused MLP with its GEMMs in FP8 (fused_ops/fp8/); fp8blocks: attention's too
@@ -173,7 +190,8 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     def step(i):  # train.py's own step: its micro-steps, its loss read, its clipping and optimizer step
         micro = batches[i % len(batches)]
         draws = SimpleNamespace(next=iter(micro).__next__, prefetch=lambda: None)  # as helpers.data.Batches
-        return train.train_step(step_model, draws, opt, scaler, cfg, autocast, len(micro), world)
+        with fused_env.overridden(**switches):  # (the kernel family: read by the launchers at each call)
+            return train.train_step(step_model, draws, opt, scaler, cfg, autocast, len(micro), world)
 
     return model, step
 

@@ -5,8 +5,14 @@ with FP8 tensor cores) the FP8 fused MLP against the bf16 one and torchao's floa
     python bench_mlp.py --widths 768,1024,2048,4096 --out results/mlp.json    # default: out-bench/mlp.json
 
 Every number is a median of triton.testing.do_bench on random data, all measured in one run: of each
-call as the host issues it, and of forward + backward replayed as one CUDA graph (the GPU time). The floor
+call as the host issues it, and of forward + backward replayed as one CUDA graph (the GPU time; the paths' graphs
+timed in rounds, the order reversed every other round, median and spread). The floor
 is the MLP's matmul FLOPs at the matmul peak measured in the same run (an 8192^3 bf16 product).
+
+The fused path runs as the GPU picks its kernels (on Hopper, the Gluon ping-pong ones: fused_ops/hopper/). With
+--portable=True (the default on a GPU) the same run also times the portable kernels, what every other GPU runs:
+"portable" (FUSED_OPS_PINGPONG=0: the Triton kernels, their TMA main loop on Hopper) and "pointer"
+(FUSED_OPS_PINGPONG=0 FUSED_OPS_TMA=0: the pointer main loop, what Ampere and Ada run).
 Each fused result is first checked against a float64 reference (the 2x eager-error rule).
 bench.py --mlp_widths runs the same measurement (these functions) across widths, with a table, CSV and PNG.
 """
@@ -25,7 +31,7 @@ import triton
 from triton.testing import do_bench
 
 from helpers import errors
-from fused_ops import fp8_supported, linear_act_dgrad, linear_act_forward
+from fused_ops import env as fused_env, fp8_supported, linear_act_dgrad, linear_act_forward
 from fused_ops.tuning import TUNING_LOG
 from model import MLP, GPTConfig
 from tests.numerics import EPS, rel_err
@@ -33,6 +39,8 @@ from tests.numerics import EPS, rel_err
 DTYPE = torch.bfloat16
 DEFAULT_TOKENS = {768: 12288, 1024: 16384, 2048: 8192, 4096: 8192}  # M per width C (others: 8192)
 DEFAULT_OUT = "out-bench/mlp.json"  # untracked (.gitignore's out*/), as bench.py's
+# The kernel families a fused path can run (fused_ops.env switches); "fused" is the GPU's own choice.
+FAMILIES = {"fused": {}, "portable": dict(PINGPONG=False), "pointer": dict(PINGPONG=False, TMA_MODE="0")}
 
 
 def add_backward_thread_arg(ap):
@@ -112,7 +120,7 @@ def measure_peaks(device="cuda", dtype=DTYPE):
 
 
 def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=DTYPE, compile=True, kernels=True,
-             bias=True):
+             bias=True, portable=False, rounds=3):
     """One MLP shape: correctness vs float64, then fwd and fwd+bwd ms of eager, torch.compile (if compile)
     and fused, the floor at peak_tflops, and (if kernels) each kernel against the same-shape cuBLAS matmul."""
     cfg = GPTConfig(n_embd=C, n_head=1, activation=activation, bias=bias)
@@ -165,18 +173,31 @@ def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=
         return run
 
     paths = {"eager": mlp, "compile": compiled, "fused": fused}
+    families = {"fused": {}}
+    if portable and x.is_cuda:  # the portable kernels on copies of the fused MLP (each keeps its own CUDA graphs)
+        for name in ("portable", "pointer"):
+            paths[name] = copy.deepcopy(fused)
+            families[name] = FAMILIES[name]
+    replays = {}
     for name, m in paths.items():
         if m is not None:
-            with torch.no_grad():
-                row[f"{name}_fwd_ms"] = bench(lambda: m(x), device)
-            row[f"{name}_fwdbwd_ms"] = bench(fwd_bwd(m), device, grad_to_none=params)
-            # the same fwd + bwd replayed as one CUDA graph: GPU time only (CUDA only)
-            row[f"{name}_graph_fwdbwd_ms"] = bench(graphed_fwd_bwd(m, x, dy)[0], device) if x.is_cuda else None
+            with fused_env.overridden(**families.get(name, {})):
+                with torch.no_grad():
+                    row[f"{name}_fwd_ms"] = bench(lambda: m(x), device)
+                row[f"{name}_fwdbwd_ms"] = bench(fwd_bwd(m), device, grad_to_none=params)
+                if x.is_cuda:  # the same fwd + bwd captured as one CUDA graph: its replays are GPU time only
+                    replays[name] = graphed_fwd_bwd(m, x, dy)[0]
+    for r in range(rounds if replays else 0):
+        for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
+            row.setdefault(f"{name}_graph_rounds_ms", []).append(bench(replays[name], device))
+    for name in paths:
+        times = row.get(f"{name}_graph_rounds_ms")
+        row[f"{name}_graph_fwdbwd_ms"] = statistics.median(times) if times else None
     if x.is_cuda and fp8_supported(x.device):
         if cfg.n_embd % 16 or cfg.mlp_hidden % 16:  # (GPTConfig's rule for fp8: the FP8 GEMMs' 16-byte rows)
             print(f"  {activation} C={C}: no FP8 columns (FP8 needs n_embd and the hidden size multiples of 16)")
         else:
-            row.update(fp8_case(cfg, mlp, fused, x, dy, ref, device, dtype))
+            row.update(fp8_case(cfg, mlp, fused, x, dy, ref, device, dtype, portable=portable))
     if not kernels:
         return row
 
@@ -185,12 +206,18 @@ def mlp_case(C, M, activation, compile_times, peak_tflops, device="cuda", dtype=
     saved = torch.empty(M, n_rows, device=device, dtype=dtype)
     out = torch.empty(M, H, device=device, dtype=dtype)
     row["matmul_fc_ms"] = bench(lambda: xd @ w1.t(), device)
-    row["kernel_fwd_save_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, out=out, saved=saved), device)
-    row["kernel_fwd_nosave_ms"] = bench(lambda: linear_act_forward(xd, w1, b1, activation, save=False, out=out),
-                                        device)
-    gp = torch.empty_like(saved)
+    if activation == "gelu" and b1 is not None:  # the forward's strongest peer: cuBLASLt's bias + GELU epilogue (h only)
+        row["addmm_gelu_ms"] = bench(lambda: torch._addmm_activation(b1, xd, w1.t(), use_gelu=True), device)
     row["matmul_dgrad_ms"] = bench(lambda: dy @ w2, device)
-    row["kernel_dgrad_ms"] = bench(lambda: linear_act_dgrad(dy, w2, saved, activation, out=gp), device)
+    gp = torch.empty_like(saved)
+    for name, switches in families.items():
+        tag = "" if name == "fused" else f"_{name}"
+        with fused_env.overridden(**switches):
+            row[f"kernel_fwd_save{tag}_ms"] = bench(
+                lambda: linear_act_forward(xd, w1, b1, activation, out=out, saved=saved), device)
+            row[f"kernel_fwd_nosave{tag}_ms"] = bench(
+                lambda: linear_act_forward(xd, w1, b1, activation, save=False, out=out), device)
+            row[f"kernel_dgrad{tag}_ms"] = bench(lambda: linear_act_dgrad(dy, w2, saved, activation, out=gp), device)
     return row
 
 
@@ -204,30 +231,38 @@ def torchao_float8(mlp):
     return torch.compile(convert_to_float8_training(copy.deepcopy(mlp)))
 
 
-def fp8_case(cfg, mlp, fused, x, dy, ref, device, dtype, rounds=3):
+def fp8_case(cfg, mlp, fused, x, dy, ref, device, dtype, rounds=3, portable=False):
     """FP8 fused against bf16 fused and torchao float8 + compile: fwd + bwd as CUDA graphs (GPU time), timed in
     `rounds` rounds, the order reversed every other round. Also each FP8 path's largest relative error against
     float64 (their yardstick is the recipe itself: tests/test_fp8.py)."""
     fp8 = MLP(dataclasses.replace(cfg, mlp="fused", fp8=True)).to(device, dtype)
     fp8.load_state_dict(mlp.state_dict())
     paths = {"fused": fused, "fp8": fp8, "torchao": torchao_float8(mlp)}
+    families = {}
+    if portable:  # the FP8 MLP and the bf16 one on the portable kernels (Triton epilogues, FP8 MMAs where there are)
+        paths["fused_portable"], paths["fp8_portable"] = copy.deepcopy(fused), copy.deepcopy(fp8)
+        families = {"fused_portable": FAMILIES["portable"], "fp8_portable": FAMILIES["portable"]}
     paths = {k: m for k, m in paths.items() if m is not None}
     row = {}
-    for name in ("fp8", "torchao"):
+    for name in ("fp8", "torchao", "fp8_portable"):
         if name in paths:
             m = paths[name]
-            for _ in range(2):  # the second call runs FP8's delayed (fused) path, after the calibrating one
-                xg = x.detach().clone().requires_grad_()
-                y = m(xg)
-                grads = torch.autograd.grad(y, [xg] + list(m.parameters()), dy)
+            with fused_env.overridden(**families.get(name, {})):
+                for _ in range(2):  # the second call runs FP8's delayed (fused) path, after the calibrating one
+                    xg = x.detach().clone().requires_grad_()
+                    y = m(xg)
+                    grads = torch.autograd.grad(y, [xg] + list(m.parameters()), dy)
             row[f"max_rel_err_{name}"] = max(rel_err(o, r) for o, r in zip([y.detach(), *grads], ref))
-    replays = {name: graphed_fwd_bwd(m, x, dy)[0] for name, m in paths.items()}
+    replays = {}
+    for name, m in paths.items():
+        with fused_env.overridden(**families.get(name, {})):
+            replays[name] = graphed_fwd_bwd(m, x, dy)[0]
     times = {name: [] for name in replays}
     for r in range(rounds):
         for name in (list(replays) if r % 2 == 0 else list(replays)[::-1]):
             times[name].append(bench(replays[name], device))
     for name, t in times.items():
-        row[f"{name}_graph_rounds_ms"] = t
+        row[f"fp8table_{name}_rounds_ms"] = t
     return row
 
 
@@ -268,6 +303,9 @@ def main(argv=None):
     ap.add_argument("--bias", default=True, type=true_or_false,
                     help="the MLP's linears with biases (True, GPT-2's) or without (False, issue 29's measurements)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="the JSON file to write (results/ holds the docs' record)")
+    ap.add_argument("--portable", default=True, type=true_or_false,
+                    help="also time the portable kernels (FUSED_OPS_PINGPONG=0, with the TMA and the pointer main "
+                         "loops) in the same run, beside the GPU's own choice")
     add_backward_thread_arg(ap)
     args = ap.parse_args(argv)
     check_can_run(args)
@@ -289,7 +327,7 @@ def report(args, widths, tokens):
     compile_times, rows = {}, []
     for C, M in zip(widths, tokens):
         for act in args.activations.split(","):
-            rows.append(mlp_case(C, M, act, compile_times, peak_tflops, bias=args.bias))
+            rows.append(mlp_case(C, M, act, compile_times, peak_tflops, bias=args.bias, portable=args.portable))
             print(f"done C={C} {act}", flush=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d"), "matmul_tflops": peak_tflops, "copy_gbps": bandwidth,
@@ -305,35 +343,54 @@ def report(args, widths, tokens):
         print(f"  {k}: {v:.1f} s")
     for name, key, cfg, sec in TUNING_LOG:
         print(f"  tuned {name} N={key[1]} K={key[2]}: {cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages} ({sec:.1f} s)")
-    hdr = f"{'case':<16}{'ok':>4}{'eager':>8}{'compile':>8}{'fused':>8}{'floor':>8}{'xEager':>7}{'xComp':>7}" \
-          f"{'fwd/mm':>8}{'fwdNS/mm':>9}{'dgrad/mm':>9}"
-    print("fwd+bwd ms (ratios: speedup of fused; kernel time / same-shape cuBLAS matmul; NS: no dh/dz saved)")
-    timings = (("do_bench, host time included", "fwdbwd_ms"), ("one CUDA graph: GPU time", "graph_fwdbwd_ms"))
-    for timing, suffix in timings:
-        print(f"[{timing}]\n" + hdr)
+    spread = lambda r, k: (f"{statistics.median(r[k]):.3f} ({min(r[k]):.3f}-{max(r[k]):.3f})"  # noqa: E731
+                           if r.get(k) else "-")
+    families = [n for n in ("fused", "portable", "pointer") if rows and rows[0].get(f"{n}_fwdbwd_ms") is not None]
+    print("fwd+bwd ms; x: speedup over the faster of eager and compile. fused: the GPU's own kernels (on Hopper the "
+          "ping-pong ones); portable: FUSED_OPS_PINGPONG=0 (Triton, TMA loop); pointer: also FUSED_OPS_TMA=0")
+    print("[do_bench, host time included]")
+    print(f"{'case':<16}{'ok':>4}{'eager':>8}{'compile':>8}" + "".join(f"{n:>9}{'x':>6}" for n in families))
+    for r in rows:
+        best = min(r["eager_fwdbwd_ms"], r["compile_fwdbwd_ms"] or float("inf"))
+        print(f"{r['activation'] + ' C=' + str(r['C']):<16}{'y' if r['correct'] else 'NO':>4}"
+              f"{r['eager_fwdbwd_ms']:8.3f}{r['compile_fwdbwd_ms'] or float('nan'):8.3f}"
+              + "".join(f"{r[n + '_fwdbwd_ms']:9.3f}{best / r[n + '_fwdbwd_ms']:6.2f}" for n in families))
+    if rows and rows[0].get("eager_graph_rounds_ms"):
+        print(f"[one CUDA graph: GPU time, median (min-max) of {len(rows[0]['eager_graph_rounds_ms'])} rounds "
+              "alternated in order]")
+        print(f"{'case':<16}{'floor':>7}{'eager':>22}{'compile':>22}" + "".join(f"{n:>22}{'x':>6}" for n in families))
         for r in rows:
-            e, c, f = r["eager_" + suffix], r["compile_" + suffix], r["fused_" + suffix]
-            print(f"{r['activation'] + ' C=' + str(r['C']):<16}{'y' if r['correct'] else 'NO':>4}"
-                  f"{e:8.3f}{c:8.3f}{f:8.3f}{r['floor_fwdbwd_ms']:8.3f}{e / f:7.2f}{c / f:7.2f}"
-                  f"{r['kernel_fwd_save_ms'] / r['matmul_fc_ms']:8.2f}"
-                  f"{r['kernel_fwd_nosave_ms'] / r['matmul_fc_ms']:9.2f}"
-                  f"{r['kernel_dgrad_ms'] / r['matmul_dgrad_ms']:9.2f}")
-    fp8_rows = [r for r in rows if "fp8_graph_rounds_ms" in r]
+            best = min(r["eager_graph_fwdbwd_ms"], r["compile_graph_fwdbwd_ms"] or float("inf"))
+            print(f"{r['activation'] + ' C=' + str(r['C']):<16}{r['floor_fwdbwd_ms']:7.3f}"
+                  f"{spread(r, 'eager_graph_rounds_ms'):>22}{spread(r, 'compile_graph_rounds_ms'):>22}"
+                  + "".join(f"{spread(r, n + '_graph_rounds_ms'):>22}{best / r[n + '_graph_fwdbwd_ms']:6.2f}"
+                            for n in families))
+    print("kernels alone, do_bench ms: the forward (h and dh/dz; NS: h only) and the dgrad, per family, against the "
+          "same-shape cuBLAS matmul and cuBLASLt's bias + GELU epilogue (torch._addmm_activation, h only)")
+    print(f"{'case':<16}{'mm fc':>8}{'addmm+gelu':>11}" + "".join(f"{'fwd ' + n:>14}{'fwdNS ' + n:>16}" for n in families)
+          + f"{'mm dgrad':>9}" + "".join(f"{'dgrad ' + n:>16}" for n in families))
+    for r in rows:
+        tag = lambda n: "" if n == "fused" else f"_{n}"  # noqa: E731
+        print(f"{r['activation'] + ' C=' + str(r['C']):<16}{r['matmul_fc_ms']:8.3f}"
+              f"{r.get('addmm_gelu_ms', float('nan')):11.3f}"
+              + "".join(f"{r['kernel_fwd_save' + tag(n) + '_ms']:14.3f}{r['kernel_fwd_nosave' + tag(n) + '_ms']:16.3f}"
+                        for n in families)
+              + f"{r['matmul_dgrad_ms']:9.3f}" + "".join(f"{r['kernel_dgrad' + tag(n) + '_ms']:16.3f}" for n in families))
+    fp8_rows = [r for r in rows if "fp8table_fp8_rounds_ms" in r]
     if fp8_rows:
-        print("FP8: fwd+bwd as one CUDA graph, GPU time in ms, median (min-max) of rounds alternated in order;"
-              " x: speedup of FP8 fused")
-        print(f"{'case':<16}{'bf16 fused':>20}{'FP8 fused':>20}{'torchao float8+compile':>26}{'xFused':>8}{'xAO':>7}"
+        names = [n for n in ("fused", "fp8", "torchao", "fused_portable", "fp8_portable")
+                 if f"fp8table_{n}_rounds_ms" in fp8_rows[0]]
+        print("FP8: fwd+bwd as one CUDA graph, GPU time in ms, median (min-max) of rounds alternated in order; "
+              "x: FP8 against bf16 of the same family; err: largest relative error against float64")
+        print(f"{'case':<16}" + "".join(f"{n:>22}" for n in names) + f"{'x fp8':>7}{'x fp8 portable':>15}"
               f"{'err FP8':>9}{'err AO':>9}")
         for r in fp8_rows:
-            spread = lambda k: (f"{statistics.median(r[k]):.3f} ({min(r[k]):.3f}-{max(r[k]):.3f})" if k in r else "-")
-            f, q = statistics.median(r["fused_graph_rounds_ms"]), statistics.median(r["fp8_graph_rounds_ms"])
-            ao = statistics.median(r["torchao_graph_rounds_ms"]) if "torchao_graph_rounds_ms" in r else None
-            print(f"{r['activation'] + ' C=' + str(r['C']):<16}{spread('fused_graph_rounds_ms'):>20}"
-                  f"{spread('fp8_graph_rounds_ms'):>20}{spread('torchao_graph_rounds_ms'):>26}{f / q:8.2f}"
-                  f"{(ao / q if ao else float('nan')):7.2f}{r['max_rel_err_fp8']:9.2e}"
-                  f"{r.get('max_rel_err_torchao', float('nan')):9.2e}")
-    print("fwd ms: " + "  ".join(f"{r['activation']} C={r['C']}: eager {r['eager_fwd_ms']:.3f} compile "
-                                 f"{r['compile_fwd_ms']:.3f} fused {r['fused_fwd_ms']:.3f}" for r in rows))
+            med = lambda n: statistics.median(r[f"fp8table_{n}_rounds_ms"])  # noqa: E731
+            xp = med("fused_portable") / med("fp8_portable") if "fp8_portable" in names else float("nan")
+            print(f"{r['activation'] + ' C=' + str(r['C']):<16}"
+                  + "".join(f"{spread(r, f'fp8table_{n}_rounds_ms'):>22}" for n in names)
+                  + f"{med('fused') / med('fp8'):7.2f}{xp:15.2f}{r['max_rel_err_fp8']:9.2e}"
+                    f"{r.get('max_rel_err_torchao', float('nan')):9.2e}")
     print(f"wrote {args.out}")
 
 

@@ -58,37 +58,61 @@ def _config(block_m, block_n, block_k, warps, stages, group_m=8, maxnreg=None, s
     return cfg
 
 
-@functools.lru_cache(maxsize=None)  # called on launch paths: the Config objects are built once
-def matmul_configs(gated=False, dtype=None, all_configs=False):
-    """Candidate tiles for the fused matmul kernels. Gated kernels hold two accumulators, so their tiles are smaller.
+# Shared memory a block may use, by compute capability (CUDA's opt-in limit): a config whose pipeline buffers need more
+# is left out of the space there. Newer GPUs than these are asked (torch's device properties).
+SHARED_MEMORY = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024}
 
-    What decides is whether the epilogue spills and whether two programs fit on an SM, so that one
-    program's epilogue can run while the other's MMAs do: hence the 4-warp, 3-stage 128x128 tile and the
-    8-warp one capped at 128 registers a thread beside the larger tiles. Which wins depends on the GPU and
-    the shape, so all are timed (docs/performance.md has what was measured). all_configs: every candidate even
-    when FUSED_OPS_AUTOTUNE=0 (which keeps the first)."""
+
+def shared_memory(cfg, itemsize, gated=False):
+    """Bytes of the main loop's pipeline buffers: num_stages copies of an A tile and one B tile (two when gated: the
+    gate and up halves), in operands of itemsize bytes. The kernels' other shared memory (the epilogue's layout
+    changes) reuses these buffers or is small beside them."""
+    m = cfg.kwargs
+    return cfg.num_stages * (m["BLOCK_M"] * m["BLOCK_K"] + (2 if gated else 1) * m["BLOCK_K"] * m["BLOCK_N"]) * itemsize
+
+
+@functools.lru_cache(maxsize=None)
+def _device_shared_memory():
+    if not torch.cuda.is_available():
+        return SHARED_MEMORY[(9, 0)]
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return SHARED_MEMORY.get((props.major, props.minor)) or props.shared_memory_per_block_optin
+
+
+@functools.lru_cache(maxsize=None)  # called on launch paths: the Config objects are built once
+def matmul_configs(gated=False, dtype=None, all_configs=False, shared_limit=None):
+    """Candidate tiles for the fused matmul kernels, best first at GPT-2 small's MLP on an H200 (the sweep in
+    results/portable/). Gated kernels hold two accumulators, so their tiles are smaller.
+
+    What decides is whether the epilogue spills and whether the GEMM's MMAs keep running while an epilogue does.
+    Two ways to get the second: two programs per SM (the 4-warp 128x128 tile: while one's epilogue runs, the
+    other's MMAs do) and a persistent grid whose tile loop is flattened (the compiler issues the next tile's loads
+    under this tile's epilogue): the winner does both (PERSISTENT=2, FLATTEN). The 8-warp 128x256 tile halves the
+    reads of x per output. Which wins depends on the GPU and the shape, so all are timed. Configs whose pipeline
+    buffers exceed the GPU's shared memory (shared_limit, default this GPU's: 99 KB on the RTX 30/40 series and
+    L4, 163 KB on an A100) are left out there. all_configs: every candidate even when FUSED_OPS_AUTOTUNE=0 (which
+    keeps the first)."""
     if env.INTERPRET:  # (persistent: two programs, each walking several tiles of the tests' shapes)
         return [_config(32, 32, 32, 4, 1, group_m=2, persistent=1)]
     if gated:
         configs = [
+            _config(128, 128, 64, 8, 3, persistent=1, flatten=True),
             _config(128, 128, 64, 8, 3),
-            _config(128, 128, 64, 8, 3, split=False),
-            _config(128, 128, 64, 8, 2),
+            _config(128, 64, 64, 4, 4, split=False, persistent=2, flatten=True),
             _config(128, 64, 64, 4, 4, split=False),
-            _config(64, 128, 64, 4, 4),
+            _config(128, 64, 64, 4, 3, split=False),  # (fits 99 KB)
             _config(64, 64, 64, 4, 4, split=False),
         ]
     else:
         configs = [
-            _config(128, 256, 64, 8, 3),
-            _config(128, 128, 64, 4, 3),  # two programs per SM
+            _config(128, 128, 64, 4, 3, persistent=2, flatten=True),  # two programs per SM, each persistent
+            _config(128, 256, 64, 8, 3, persistent=1, flatten=True),
+            _config(128, 128, 64, 4, 3),
             _config(128, 128, 64, 4, 3, split=False),
-            # at most 128 registers a thread: two 8-warp programs fit per SM
-            _config(128, 128, 64, 8, 3, maxnreg=128),
-            _config(128, 128, 64, 8, 4),
-            _config(128, 128, 64, 8, 4, split=False),
+            _config(128, 256, 64, 8, 4),
+            _config(128, 256, 64, 8, 3),
+            _config(256, 128, 64, 8, 3),
             _config(128, 64, 64, 4, 4, split=False),
-            _config(64, 128, 64, 4, 4),
             _config(64, 64, 64, 4, 4, split=False),
         ]
     if dtype is not None and dtype.itemsize >= 4:
@@ -96,7 +120,11 @@ def matmul_configs(gated=False, dtype=None, all_configs=False):
         # fp32 dot runs on the FMA units, whose accumulator layout splits only through shared memory
         # (more than an H100 has, for a 128x256 tile): the whole-tile epilogue there.
         configs = [_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], 32, c.num_warps, c.num_stages,
-                           c.kwargs["GROUP_M"], c.maxnreg, split=False) for c in configs]
+                           c.kwargs["GROUP_M"], c.maxnreg, split=False, persistent=c.kwargs["PERSISTENT"],
+                           flatten=c.kwargs["FLATTEN"]) for c in configs]
+    limit = shared_limit or _device_shared_memory()
+    itemsize = dtype.itemsize if dtype is not None else 2
+    configs = [c for c in configs if shared_memory(c, itemsize, gated) <= limit]
     return configs if env.AUTOTUNE or all_configs else configs[:1]
 
 

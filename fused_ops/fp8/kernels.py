@@ -64,7 +64,7 @@ from .. import env
 from ..activations import activation_and_grad, kernel_activations
 from ..casts import quantize, to_fp16
 from ..matmul import column_offsets, fp8_mma_available, matmul_loop, needs_int64, tile_ids, tiles, tma_operands
-from ..tuning import _config, cdiv, launch, launch_matmul, matmul_configs, tuned_config
+from ..tuning import _config, _device_shared_memory, cdiv, launch, launch_matmul, shared_memory, tuned_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -343,14 +343,21 @@ def transpose_fp8(q, Mp, state):
     return qt
 
 
-def fp8_configs(gated, dtype):
-    """The candidate tiles of matmul_configs whose epilogue takes the whole tile, at most 128x128: the transposed
-    copy goes through shared memory (tl.trans), and on an H100 with Triton 3.6 tl.trans of a half tile from
-    split_columns stored wrong values."""
+def fp8_configs(gated, dtype, shared_limit=None):
+    """The FP8 kernels' candidate tiles, best first on an H200 (results/portable/): whole-tile epilogues, at most
+    128x128 (the transposed copy goes through shared memory, tl.trans, and on an H100 with Triton 3.6 tl.trans of
+    a half tile from split_columns stored wrong values), K steps of 128 one-byte elements (one 128-byte row of
+    shared memory, what the FP8 MMAs read), and those that fit the GPU's shared memory (tuning.matmul_configs)."""
     if env.INTERPRET:
         return [_config(32, 32, 32, 4, 1, group_m=2, split=False, persistent=1)]
-    configs = [c for c in matmul_configs(gated, dtype, all_configs=True)
-               if not c.kwargs["SPLIT_EPILOGUE"] and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+    configs = [
+        _config(128, 128, 128, 8, 4, split=False, persistent=1, flatten=True),
+        _config(128, 64, 128, 4, 4, split=False),
+        _config(128, 128, 128, 8, 3, split=False),
+        _config(128, 128, 64, 4, 3, split=False),
+    ]
+    limit = shared_limit or _device_shared_memory()
+    configs = [c for c in configs if shared_memory(c, 1, gated) <= limit]
     return configs if env.AUTOTUNE else configs[:1]
 
 

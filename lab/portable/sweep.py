@@ -197,6 +197,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="the plumbing on a CPU at toy sizes (tests)")
     ap.add_argument("--parts", default="fwd,dgrad,fp8")
+    ap.add_argument("--activations", default="gelu,swiglu")
     args = ap.parse_args()
     t0 = time.time()
     n = 256 if SMOKE else 8192
@@ -208,7 +209,7 @@ def main():
     print(f"{'cpu (smoke)' if SMOKE else torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"{time.strftime('%Y-%m-%d')}\nmeasured: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.0f} GB/s")
     parts = args.parts.split(",")
-    for activation in ("gelu", "swiglu"):
+    for activation in args.activations.split(","):
         gated = activation == "swiglu"
         H = 2048 if gated else HIDDEN
         rows = 2 * H if gated else H
