@@ -235,8 +235,9 @@ def prepare_data(cfg, world=1):
     if world == 1 or dist.get_rank() == 0:
         try:
             answer[0] = ensure_dataset(cfg["dataset"], data_root=cfg["data_root"])
-        except FileNotFoundError as e:
-            raise ConfigError(f"dataset {cfg['dataset']!r}: {e}") from e
+        except FileNotFoundError as e:  # ensure_dataset's message names the dataset; an OS error's may not
+            named = str(e).startswith(f"dataset {cfg['dataset']!r}")
+            raise ConfigError(str(e) if named else f"dataset {cfg['dataset']!r}: {e}") from e
         finally:  # on failure the others get None and stop too (rank 0's error is the one printed)
             if world > 1:
                 dist.broadcast_object_list(answer, src=0)
