@@ -32,9 +32,9 @@ from triton.testing import do_bench
 
 from helpers import errors
 from fused_ops import env as fused_env, fp8_supported, linear_act_dgrad, linear_act_forward
+from fused_ops.numerics import EPS, rel_err
 from fused_ops.tuning import TUNING_LOG
 from model import MLP, GPTConfig
-from tests.numerics import EPS, rel_err
 
 DTYPE = torch.bfloat16
 DEFAULT_TOKENS = {768: 12288, 1024: 16384, 2048: 8192, 4096: 8192}  # M per width C (others: 8192)

@@ -29,7 +29,7 @@ from helpers import checkpoint, config, data, errors, runtime
 from helpers.config import DEFAULTS, ConfigError
 from helpers.prepare_data import ensure_dataset
 from helpers.runlog import RunLog, check_wandb, closing, plot_losses
-from helpers.stopping import StopOnSignal, diverged, out_of_memory, stopped_by_signal
+from helpers.stopping import StopOnSignal, agreement_group, diverged, out_of_memory, stopped_by_signal
 from helpers.timing import RunTimer, plural
 from model import GPT, GPTConfig
 
@@ -86,7 +86,7 @@ def train(cfg, ckpt, argv, device, rank, world):
     with timer.phase("data"):
         data_dir, meta = prepare_data(cfg, world)
         batches = data.Batches(data_dir, cfg["batch_size"], cfg["block_size"], device,
-                               seed=cfg["seed"] * 1000 + 1 + rank)
+                               seed=cfg["seed"] * 1000 + 1 + rank, defer_errors=world > 1)
 
     # model and optimizer
     with timer.phase("model"):
@@ -149,6 +149,7 @@ def train(cfg, ckpt, argv, device, rank, world):
                 losses = estimate_loss(model, batches, cfg, autocast, device, rank, world)
                 timer.eval(time.perf_counter() - e0)
                 if not all(map(math.isfinite, losses.values())):
+                    check_tokens(batches, world)  # (a token id out of the vocabulary makes the loss NaN first)
                     raise diverged(cfg, progress, "val/train loss", losses, lr, dtype)
                 log.write({"type": "eval", "iter": progress.iter_num, "train_loss": losses["train"],
                            "val_loss": losses["val"], "lr": lr})
@@ -168,6 +169,7 @@ def train(cfg, ckpt, argv, device, rank, world):
             dt = time.perf_counter() - t0
             timer.step(dt)
             if not math.isfinite(lossf):
+                check_tokens(batches, world)
                 raise diverged(cfg, progress, "loss", lossf, lr, dtype)
             if local_iter >= 3:  # the first steps include warm-up (compilation, autotuning, allocation)
                 step_mfu = raw_model.estimate_mfu(cfg["batch_size"] * accum, dt)
@@ -233,8 +235,9 @@ def prepare_data(cfg, world=1):
     if world == 1 or dist.get_rank() == 0:
         try:
             answer[0] = ensure_dataset(cfg["dataset"], data_root=cfg["data_root"])
-        except FileNotFoundError as e:
-            raise ConfigError(f"dataset {cfg['dataset']!r}: {e}") from e
+        except FileNotFoundError as e:  # ensure_dataset's message names the dataset; an OS error's may not
+            named = str(e).startswith(f"dataset {cfg['dataset']!r}")
+            raise ConfigError(str(e) if named else f"dataset {cfg['dataset']!r}: {e}") from e
         finally:  # on failure the others get None and stop too (rank 0's error is the one printed)
             if world > 1:
                 dist.broadcast_object_list(answer, src=0)
@@ -329,6 +332,20 @@ def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
     if math.isfinite(lossf):
         runtime.clip_and_step(optimizer, model.parameters(), cfg["grad_clip"], scaler)
     return lossf
+
+
+def check_tokens(batches, world):
+    """Where the loss is NaN: the batch of a token id out of the vocabulary, if any process drew one, as the one-line
+    error naming the file (every process raises it; rank 0 prints it). In one process Batches raised it already;
+    under torchrun the process that drew it trained that batch with every target ignored, whose NaN loss brought
+    every process here (helpers/data.Batches)."""
+    found = [batches.bad_tokens]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, batches.bad_tokens, group=agreement_group())
+    message = next(filter(None, found), None)
+    if message:
+        raise errors.UsageError(message)
 
 
 def report_step(log, bar, cfg, it, lossf, lr, dt, tokens_per_s, mfu, master):

@@ -153,17 +153,32 @@ def load_tokens(data_dir, split, dtype=None):
     dtype = dtype or load_meta(data_dir)["dtype"]
     return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=dtype, mode="r")
 
+def bad_token_message(path, token, vocab_size):
+    """The one line for a token file holding an id the vocabulary has not (the embedding would fail on it: an
+    IndexError on the CPU, a device-side assert on a GPU)."""
+    return (f"{path} holds token id {token}, but meta.json's vocab_size is {vocab_size} (ids 0 to {vocab_size - 1}): "
+            "the token files do not match meta.json; prepare the dataset again (prepare.py)")
+
 class Batches:
     """Random windows of the token files, drawn with a private generator so that the data order is
     reproducible and its exact position can be saved in a checkpoint (a global RNG would be shared with dropout).
-    torch is imported in the methods: prepare_data.py imports this module, and its workers need no torch (seconds)."""
+    torch is imported in the methods: prepare_data.py imports this module, and its workers need no torch (seconds).
 
-    def __init__(self, data_dir, batch_size, block_size, device, seed):
+    Every batch's ids are checked on the host against meta.json's vocab_size before the copy to the device (a max
+    over the batch: microseconds); the whole files are not read (a big one would take seconds to minutes). A bad id
+    is a UsageError naming the file, at once in one process. Under torchrun (defer_errors) the other processes
+    would wait for this one in the next collective, so the batch is handed out instead with every target ignored
+    (x 0, y -1): its loss is NaN (0/0), the step's averaged loss NaN in every process, and where train.py meets a
+    NaN loss all processes ask for the error (bad_tokens) and raise it together, before any step or save."""
+
+    def __init__(self, data_dir, batch_size, block_size, device, seed, defer_errors=False):
         import torch
         self.data_dir, self.batch_size, self.block_size, self.device = data_dir, batch_size, block_size, device
         self.gen = torch.Generator().manual_seed(seed)
         self.pending, self.state_before_pending = None, None  # the prefetched training batch
-        self.dtype = load_meta(data_dir)["dtype"]  # read once: a batch is drawn every step, and 400 per eval
+        meta = load_meta(data_dir)  # read once: a batch is drawn every step, and 400 per eval
+        self.dtype, self.vocab_size = meta["dtype"], meta["vocab_size"]
+        self.defer_errors, self.bad_tokens = defer_errors, None  # (the first bad id's message, when deferred)
         for split in ("train", "val"):
             n = len(load_tokens(data_dir, split, self.dtype))
             if n <= block_size:
@@ -195,10 +210,20 @@ class Batches:
         # A fresh memmap per batch, as in nanoGPT: a long-lived one keeps pages referenced and memory grows.
         tokens = load_tokens(self.data_dir, split, self.dtype)
         starts = torch.randint(len(tokens) - self.block_size, (self.batch_size,), generator=gen or self.gen)
-        windows = torch.from_numpy(tokens[starts.numpy()[:, None] + np.arange(self.block_size + 1)].astype(np.int64))
+        ids = tokens[starts.numpy()[:, None] + np.arange(self.block_size + 1)]
+        top = int(ids.max())
+        bad = top >= self.vocab_size
+        if bad:
+            message = bad_token_message(os.path.join(self.data_dir, f"{split}.bin"), top, self.vocab_size)
+            if not self.defer_errors:
+                raise errors.UsageError(message)
+            self.bad_tokens = self.bad_tokens or message
+        windows = torch.from_numpy(ids.astype(np.int64))
         # x and y side by side in one buffer: one (pinned) host buffer and one copy per batch, not two
         cuda = self.device.startswith("cuda")
         xy = torch.empty((2, self.batch_size, self.block_size), dtype=torch.int64, pin_memory=cuda)
         xy[0], xy[1] = windows[:, :-1], windows[:, 1:]
+        if bad:  # (deferred: every target ignored, the loss NaN; see the class's docstring)
+            xy[0], xy[1] = 0, -1
         xy = xy.to(self.device, non_blocking=cuda)  # pinned + non_blocking: the copy overlaps the GPU's work
         return xy[0], xy[1]

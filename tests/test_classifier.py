@@ -70,7 +70,8 @@ def test_matches_float64_reference(small_chunks, V, dtype, autocast, monkeypatch
     ours = loss_and_grads(linear_cross_entropy, x, w, t, dtype, autocast)
     same = loss_and_grads(eager, x, w, t, dtype, autocast)
     for name, a, b, r in zip(("loss", "dx", "dW"), ours, same, ref):
-        assert a.dtype == b.dtype, name  # the gradients keep the leaves' dtypes, as eager's
+        # the gradients keep the leaves' dtypes, as eager's; the loss is fp32 (tests/test_classifier_loss.py)
+        assert a.dtype == (torch.float32 if name == "loss" else b.dtype), name
         bound = 2 * rel_err(b, r) + EPS[dtype]
         assert rel_err(a, r) <= bound, (name, rel_err(a, r), bound)
 

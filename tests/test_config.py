@@ -92,9 +92,17 @@ def test_train_rejects_bad_values(tmp_path, arg, match):
         train.main(args)
 
 
-def test_missing_dataset_and_missing_checkpoint(tmp_path):
+def test_missing_dataset_and_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"dataset 'no_such_data'.*not found.*shakespeare_char"):
         train.main(["--dataset=no_such_data", f"--data_root={tmp_path}", f"--out_dir={tmp_path}/o"])
+    # as train.py prints it: one line that names the dataset once (it said "dataset 'x': dataset 'x' not found")
+    from helpers import errors
+    argv = ["--dataset=no_such_data", f"--data_root={tmp_path}", f"--out_dir={tmp_path}/o"]
+    assert errors.run_main("train.py", train.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: error: dataset 'no_such_data' not found: no train.bin/val.bin/meta.json in ") and \
+        err.count("dataset 'no_such_data'") == 1 and err.count("\n") == 1, err
+    assert f"--out_dir={tmp_path / 'no_such_data'}" in err  # (where prepare.py would put it)
     with pytest.raises(ConfigError, match=r"init_from='resume' but there is no checkpoint at .*ckpt.pt"):
         train.main(["--init_from=resume", f"--out_dir={tmp_path}/o"])
 

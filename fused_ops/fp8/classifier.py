@@ -83,7 +83,9 @@ FP8LinearCrossEntropyFunction = core.loss_function(fp8_linear_cross_entropy_op)
 
 def fp8_linear_cross_entropy(x, weight, targets, ignore_index=-1):
     """../classifier.py's linear_cross_entropy with the logits' and dx's GEMMs in FP8 (under no grad: the 16-bit
-    operator). Needs FP8 tensor cores (or the CPU under TRITON_INTERPRET=1) and C, V multiples of 16."""
+    operator). Needs FP8 tensor cores (or the CPU under TRITON_INTERPRET=1) and C, V multiples of 16. As there, the
+    loss is float32 whatever the inputs' dtype (the gradients keep theirs), and a target outside [0, V) that is not
+    ignore_index raises nothing: the mean loss is NaN, the gradients finite (its row's: softmax / n, quantized)."""
     if not torch.compiler.is_compiling():  # (as the FP8 MLP: train.py checks the device before it compiles, and
         # dynamo would trace the check's cached capability lookup, with a warning each compile)
         check_fp8_device(x.device, setting="classifier='fp8'", instead="use classifier='fused'")
