@@ -1,7 +1,7 @@
 """LayerNorm + MLP with the LayerNorm folded into the fused MLP's first matmul (fuse_ln) against
 LayerNorm followed by the unfolded fused MLP, the eager pair, and torch.compile of the eager pair.
 
-    python lab/bench_ln_fold.py --out lab/results/ln_fold_h100.json
+    python lab/bench_ln_fold.py --out out-bench/ln_fold.json
 
 bf16 modules, then fp32 modules under bf16 autocast (as train.py runs); GPT-2 small size (M = 12288, C = 768); medians of triton.testing.do_bench (GPU + CPU launch
 time) and CUDA-graph replays (GPU time alone). Also times the LayerNorm alone: the most the fold can save
@@ -92,7 +92,7 @@ def _autocast_call(fn):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="lab/results/ln_fold.json")
+    ap.add_argument("--out", default="out-bench/ln_fold.json")
     args = ap.parse_args()
     rows = [case(768, 12288, act, autocast=ac) for ac in (False, True) for act in ("gelu", "swiglu")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
