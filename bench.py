@@ -14,9 +14,10 @@ out-bench/bench_<config>.*; results/ holds what the docs cite, only with --out=r
 torch.compile mode too. --mlps=fp8: the fused MLP in FP8; fp8blocks: the attention's projections too; torchao: the
 eager MLP through torchao's float8 (where installed); +cls adds the fused classifier (fused+cls), +cls8 its FP8 form.
 +portable runs a variant on the portable kernels (FUSED_OPS_PINGPONG=0: what a GPU without the Hopper kernels runs),
-+pointer also with the pointer main loop (FUSED_OPS_TMA=0: Ampere's and Ada's), beside the others in the same process:
++pointer also with the pointer main loop (FUSED_OPS_TMA=0: Ampere's and Ada's), beside the others in the same process;
+an entry's own compile setting after "@" runs it under that one only:
 
-    python bench.py configs/gpt2_124m.py --mlps=eager,fused+cls,fused+cls+portable --compile=reduce-overhead --rounds=4
+    python bench.py configs/gpt2_124m.py --mlps=eager@True,fused+cls,fused+cls+portable --compile=reduce-overhead --rounds=4
 --rounds=N builds every variant, then times them in N rounds, the order reversed each time (a first variant can run slower: results/bench_gpt2_124m_uncompiled_orders_h100.txt):
 
     python bench.py configs/gpt2_124m.py --compile=False --rounds=4 --steps=10
@@ -99,7 +100,7 @@ def parse_args(argv=None):
     if args.dtype not in (None, "bfloat16", "float16", "float32"):
         raise errors.UsageError(f"--dtype={args.dtype}: expected bfloat16, float16 or float32")
     dtype, mlps = str(pick_dtype(args)).removeprefix("torch."), args.mlps.split(",")
-    for mlp in (kernel_family(m)[0].partition("+cls")[0] for m in mlps):  # all checked before the first is timed
+    for mlp in (kernel_family(m.partition("@")[0])[0].partition("+cls")[0] for m in mlps):  # all checked first
         if mlp not in MLPS:
             raise errors.UsageError(f"--mlps={args.mlps}: {mlp!r} is not one of {', '.join(MLPS)}")
         runtime.check_interpreter_dtype("fused" if "fp8" in mlp else mlp, args.device, dtype, f"--mlps={mlp}")
@@ -142,6 +143,18 @@ def load_config(args):
 def compile_setting(text):
     """--compile's entries: "False" / "True" as booleans, anything else a torch.compile mode."""
     return {"False": False, "True": True}.get(text, text)
+
+
+def variant_list(args):
+    """(mlp, compile setting) of each variant: every --mlps entry under every --compile setting, except an entry that
+    names its own after "@" (eager@True, fp8blocks+cls8@reduce-overhead), which runs under that one only."""
+    variants = []
+    for c in args.compile.split(","):
+        for m in args.mlps.split(","):
+            mlp, _, own = m.partition("@")
+            if not own or c == args.compile.split(",")[0]:
+                variants.append((mlp, compile_setting(own or c)))
+    return variants
 
 
 def parse_variant(text):
@@ -368,7 +381,7 @@ def run(args):
         return mlp_widths(args)
     model_args, batch_size, dtype, batches, state = setup(args)
     T = model_args.get("block_size", 1024)
-    variants = [(m, compile_setting(c)) for c in args.compile.split(",") for m in args.mlps.split(",")]
+    variants = variant_list(args)
     master = not dist.is_initialized() or dist.get_rank() == 0  # (under torchrun: several_gpus)
     if args.rounds > 1:
         rows = run_interleaved(model_args, state, variants, batches, args, dtype)
