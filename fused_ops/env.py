@@ -14,6 +14,7 @@ A few are frozen into compile-time constants at import (the interpreter's: activ
 | FUSED_OPS_PINGPONG      | 1                                 | PINGPONG       | Hopper's Gluon ping-pong kernels (hopper/); 0 leaves everything to Triton's and cuBLAS's   |
 | FUSED_OPS_GRAPHS        | 1                                 | GRAPHS         | per-shape CUDA graphs of the uncompiled fused MLP (graphs.py); 0 off                        |
 | FUSED_OPS_PRECOMPILE    | 1                                 | PRECOMPILE     | compile the MLP's kernels in a child process at start-up (precompile.py); 0 off            |
+| FUSED_OPS_PERSISTENT    | 1                                 | PERSISTENT     | persistent-grid tile configs among the tuning candidates (tuning.py); 0 leaves them out   |
 
 (The default cache file sits under $XDG_CACHE_HOME when that is set.) precompile.py starts its child with
 FUSED_OPS_AUTOTUNE=0 and FUSED_OPS_TUNING_CACHE=0.
@@ -30,6 +31,7 @@ TUNING_CACHE = os.environ.get("FUSED_OPS_TUNING_CACHE", os.path.join(
 PINGPONG = os.environ.get("FUSED_OPS_PINGPONG", "1") == "1"
 GRAPHS = os.environ.get("FUSED_OPS_GRAPHS", "1") != "0"
 PRECOMPILE = os.environ.get("FUSED_OPS_PRECOMPILE", "1") != "0"
+PERSISTENT = os.environ.get("FUSED_OPS_PERSISTENT", "1") != "0"
 
 
 class overridden:

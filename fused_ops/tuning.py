@@ -124,7 +124,8 @@ def matmul_configs(gated=False, dtype=None, all_configs=False, shared_limit=None
                            flatten=c.kwargs["FLATTEN"]) for c in configs]
     limit = shared_limit or _device_shared_memory()
     itemsize = dtype.itemsize if dtype is not None else 2
-    configs = [c for c in configs if shared_memory(c, itemsize, gated) <= limit]
+    configs = [c for c in configs if shared_memory(c, itemsize, gated) <= limit
+               and (env.PERSISTENT or not c.kwargs["PERSISTENT"])]
     return configs if env.AUTOTUNE or all_configs else configs[:1]
 
 

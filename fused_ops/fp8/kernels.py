@@ -357,7 +357,7 @@ def fp8_configs(gated, dtype, shared_limit=None):
         _config(128, 128, 64, 4, 3, split=False),
     ]
     limit = shared_limit or _device_shared_memory()
-    configs = [c for c in configs if shared_memory(c, 1, gated) <= limit]
+    configs = [c for c in configs if shared_memory(c, 1, gated) <= limit and (env.PERSISTENT or not c.kwargs["PERSISTENT"])]
     return configs if env.AUTOTUNE else configs[:1]
 
 
