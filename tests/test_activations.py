@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_ops.activations import GATED, PLAIN, activation, activation_grad, gelu_and_grad_16bit, silu_and_grad
+from fused_ops.activations import (GATED, PLAIN, activation, activation_and_grad, activation_grad, gelu_and_grad_16bit,
+                                   silu_and_grad)
 from fused_ops.linear_act import linear_act_forward
 from model import PLAIN_ACTIVATIONS
 from special_values import INF, NAN, SPECIAL_INPUTS, assert_special_values_match, expected, times
@@ -152,3 +153,59 @@ def test_every_activation_is_zero_at_zero():
     for name in ("gelu_16bit", "silu_and_grad"):  # the ping-pong epilogues' own
         out = evaluate(name, zero)[0]
         assert (out == 0).all() and not torch.signbit(out).any(), name
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu", "swiglu", "geglu", "sigmoid_tanh"])
+def test_16bit_epilogue_special_values(act):
+    """The forward epilogue with 16-bit outputs takes the value and its derivative together (activation_and_grad:
+    gelu_and_grad_16bit, silu_and_grad): NaN, ±inf and large finite pre-activations give the table's limits
+    there too, rounded to fp16. z = 0 @ W.T + b = b exactly, so the values go in through the bias (fp16 holds
+    them: 6e4 rather than 1e20)."""
+    vals = [NAN, INF, -INF, 6e4, -6e4, 100.0, -20.0, 0.0, 1.0, -1.0]
+    gated = act in GATED
+    gate_name, up_name = GATED[act] if gated else (act, None)
+    g = [a for a in vals for _ in vals] if gated else vals
+    u = [b for _ in vals for b in vals] if gated else []
+    n = len(g)
+    bias = torch.tensor(g + u, dtype=torch.float16, device=DEVICE)
+    x = torch.zeros(2, 16, device=DEVICE, dtype=torch.float16)
+    w = torch.zeros(bias.numel(), 16, device=DEVICE, dtype=torch.float16)
+    out, saved = linear_act_forward(x, w, bias, act)
+    tol = dict(rtol=4e-3, atol=4e-3)  # fp16 rounding of the outputs, and the fitted GELU's 1e-5
+    ga, gd = (v.half().double() for v in expected(gate_name, g))
+    if gated:
+        ua, ud = (v.half().double() for v in expected(up_name, u))
+        want_h, want_g, want_u = (times(a, b).half() for a, b in ((ga, ua), (ua, gd), (ga, ud)))
+    for row in range(2):
+        if gated:
+            assert_special_values_match(out[row], want_h, f"{act} h", **tol)
+            assert_special_values_match(saved[row, :n], want_g, f"{act} dh/dgate", **tol)
+            assert_special_values_match(saved[row, n:], want_u, f"{act} dh/dup", **tol)
+        else:
+            assert_special_values_match(out[row], ga, f"{act} h", **tol)
+            assert_special_values_match(saved[row], gd, f"{act} act'", **tol)
+
+
+@pytest.mark.parametrize("name", ["gelu", "silu", "relu"])
+def test_activation_and_grad_is_the_pair(name):
+    """activation_and_grad: for 16-bit outputs GELU and SiLU come from their shared forms (gelu_and_grad_16bit,
+    silu_and_grad), within 2e-5 of the exact pair; otherwise it is activation() and activation_grad() exactly."""
+    x = inputs()
+    exact = evaluate(name, x)
+    for fast in (False, True):
+        out, grad = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        _evaluate_pair[(triton.cdiv(x.numel(), BLOCK),)](x, out, grad, x.numel(), NAME=name, FAST16=fast, BLOCK=BLOCK)
+        for ours, ref in zip((out.double().cpu(), grad.double().cpu()), exact):
+            if fast and name != "relu":
+                assert torch.allclose(ours, ref, rtol=2e-5, atol=2e-5), (name, (ours - ref).abs().max())
+            else:
+                assert torch.equal(ours, ref), name
+
+
+@triton.jit
+def _evaluate_pair(x_ptr, out_ptr, grad_ptr, n, NAME: tl.constexpr, FAST16: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    out, grad = activation_and_grad(tl.load(x_ptr + offs, mask=mask, other=0.0), NAME, FAST16)
+    tl.store(out_ptr + offs, out, mask=mask)
+    tl.store(grad_ptr + offs, grad, mask=mask)

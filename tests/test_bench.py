@@ -201,3 +201,19 @@ def test_torchao_variant_converts_the_mlp_linears_only(monkeypatch):
         convert_to_float8_training=convert_to_float8_training))
     bench.torchao_float8_mlps(model)
     assert taken == [f"transformer.h.{i}.mlp.{name}" for i in range(2) for name in ("c_fc", "c_proj")]
+
+
+def test_variants_name_their_kernel_family_and_compile_setting():
+    """--mlps entries: "+portable" / "+pointer" select the portable kernels (the fused_ops.env switches bench.py's
+    step runs under), and "@mode" a compile setting of the entry's own, beside the others' --compile settings."""
+    import bench
+    assert bench.kernel_family("fused+cls+portable") == ("fused+cls", {"PINGPONG": False})
+    assert bench.kernel_family("fused+pointer") == ("fused", {"PINGPONG": False, "TMA_MODE": "0"})
+    assert bench.kernel_family("fp8blocks+cls8") == ("fp8blocks+cls8", {})
+    args = bench.parse_args(["configs/gpt2_124m.py", "--device=cpu", "--compile=reduce-overhead,False",
+                             "--mlps=eager@True,fused+portable"])
+    assert bench.variant_list(args) == [("eager", True), ("fused+portable", "reduce-overhead"),
+                                        ("fused+portable", False)]
+    from helpers import errors
+    with pytest.raises(errors.UsageError, match="fused\+portables"):
+        bench.parse_args(["configs/gpt2_124m.py", "--device=cpu", "--mlps=fused+portables"])

@@ -159,3 +159,121 @@ def test_tuning_compiles_every_candidate_then_waits_for_a_precompiling_child(mon
     device = "cuda" if torch.cuda.is_available() else "cpu"
     linear_act_forward(torch.randn(40, 32, device=device), torch.randn(48, 32, device=device), None, "gelu")
     assert events == [("run", candidates[0]), ("run", candidates[1]), ("wait", None), ("time", None), ("time", None)]
+
+
+# ---- the tile space: what fits each GPU, and the persistent grid ------------------------------------------------
+
+ARCHITECTURES = {"sm_80 (A100)": (8, 0), "sm_86 (RTX 30)": (8, 6), "sm_89 (RTX 40, L4)": (8, 9), "sm_90 (H100)": (9, 0)}
+
+
+def _gpu_space(monkeypatch):
+    """matmul_configs / fp8_configs as a GPU sees them (the interpreter's one small config aside)."""
+    monkeypatch.setattr(env, "INTERPRET", False)
+    monkeypatch.setattr(env, "AUTOTUNE", True)
+    tuning.matmul_configs.cache_clear()  # (and again after the test: the cache holds the GPU space meanwhile)
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_every_config_fits_the_shared_memory_of_each_architecture(monkeypatch, arch):
+    """Every candidate left in the space for a GPU fits that GPU's shared memory (tuning.SHARED_MEMORY: 99 KB on
+    sm_86/89, 163 KB on sm_80), counted by arithmetic: num_stages copies of the A tile and of the B tile (two B tiles
+    when gated), in the operands' dtype; and each kernel family keeps candidates on each (the pointer loop's
+    Ampere / Ada configs among them)."""
+    from fused_ops.fp8.kernels import fp8_configs
+    _gpu_space(monkeypatch)
+    limit = tuning.SHARED_MEMORY[ARCHITECTURES[arch]]
+    try:
+        for gated in (False, True):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                space = tuning.matmul_configs(gated, dtype, False, limit)
+                assert space, (arch, gated, dtype)
+                for cfg in space:
+                    m = cfg.kwargs
+                    need = cfg.num_stages * (m["BLOCK_M"] * m["BLOCK_K"] + (1 + gated) * m["BLOCK_K"] * m["BLOCK_N"])
+                    assert need * dtype.itemsize <= limit, (arch, cfg)
+            space = fp8_configs(gated, torch.bfloat16, limit)
+            assert space, (arch, "fp8", gated)
+            for cfg in space:
+                m = cfg.kwargs
+                assert cfg.num_stages * (m["BLOCK_M"] + (1 + gated) * m["BLOCK_N"]) * m["BLOCK_K"] <= limit, cfg
+        # and the limit does remove something where it is small: the 128x256 tile needs 144 KB in bf16
+        if limit < 144 * 1024:
+            assert all(c.kwargs["BLOCK_N"] < 256 for c in tuning.matmul_configs(False, torch.bfloat16, False, limit))
+    finally:
+        tuning.matmul_configs.cache_clear()
+
+
+def test_persistent_configs_can_be_left_out(monkeypatch):
+    """FUSED_OPS_PERSISTENT=0 keeps only one-program-per-tile configs; by default the space holds both kinds."""
+    _gpu_space(monkeypatch)
+    try:
+        assert any(c.kwargs["PERSISTENT"] for c in tuning.matmul_configs(False, torch.bfloat16))
+        assert any(not c.kwargs["PERSISTENT"] for c in tuning.matmul_configs(False, torch.bfloat16))
+        monkeypatch.setattr(env, "PERSISTENT", False)
+        tuning.matmul_configs.cache_clear()
+        assert not any(c.kwargs["PERSISTENT"] for g in (False, True) for c in tuning.matmul_configs(g, torch.bfloat16))
+    finally:
+        tuning.matmul_configs.cache_clear()
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("programs", [1, 2, 3])
+def test_a_persistent_grid_computes_what_one_program_per_tile_does(monkeypatch, activation, programs):
+    """The same tiles walked by fewer programs (a persistent grid, flattened or not) give bit for bit the output of one
+    program per tile, for the forward and the dgrad (whose bias sums are written per row-tile): every tile visited
+    once (the outputs start as NaN). 7 x 5 tiles of 16 x 16 over `programs` x 2 programs (the interpreter's stand-in for SMs)."""
+    from fused_ops.activations import kernel_activations
+    from fused_ops.matmul import dot_settings
+    act, up, gated = kernel_activations(activation)
+    monkeypatch.setattr(tuning, "_processors", lambda index=None: 2)
+    torch.manual_seed(0)
+    M, K, N = 7 * 16 - 5, 32, 5 * 16  # (a ragged last row-tile)
+    rows = 2 * N if gated else N
+    x, w, b = torch.randn(M, K), torch.randn(rows, K), torch.randn(rows)
+    acc, prec = dot_settings(torch.float32)
+
+    def forward(cfg):
+        out, saved = torch.full((M, N), float("nan")), torch.full((M, rows), float("nan"))
+        args = (x, w, b, out, saved, out, w, w, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                out.stride(0), saved.stride(0))
+        consts = dict(ACTIVATION=act, UP_ACTIVATION=up, GATED=gated, HAS_BIAS=True, SAVE=True, FAST16=False,
+                      LN_FOLD=False, LN_WEIGHT=False, LN_BIAS=False, ACC_DTYPE=acc, PRECISION=prec, INT64=False,
+                      TMA=False, B_KMAJOR=False)
+        tuning.run_config(linear_act_kernel, M, N, K, args, consts, cfg)
+        return out, saved
+
+    def dgrad(cfg, saved):
+        gy, w2 = torch.randn(M, K, generator=torch.Generator().manual_seed(1)), w[:N].t().contiguous()
+        out, partial = torch.full_like(saved, float("nan")), torch.full((7, saved.shape[1]), float("nan"))
+        args = (gy, w2, saved, out, partial, M, N, K, gy.stride(0), gy.stride(1), w2.stride(0), w2.stride(1),
+                saved.stride(0), out.stride(0), partial.stride(0))
+        consts = dict(GATED=gated, BIAS_GRAD=True, ACC_DTYPE=acc, PRECISION=prec, INT64=False, TMA=False,
+                      B_KMAJOR=False)
+        tuning.run_config(dgrad_kernel, M, N, K, args, consts, cfg)
+        return out, partial
+
+    grid = tuning._config(16, 16, 16, 4, 1, group_m=2, split=False)
+    base = forward(grid)
+    base_dgrad = dgrad(grid, base[1])
+    for flatten in (False, True):
+        cfg = tuning._config(16, 16, 16, 4, 1, group_m=2, split=False, persistent=programs, flatten=flatten)
+        assert tuning._grid_and_args(cfg, M, N, (), ())[0][0] == 2 * programs
+        ours = forward(cfg)
+        for a, r in zip(ours, base):
+            assert not a.isnan().any() and torch.equal(a, r)
+        for a, r in zip(dgrad(cfg, base[1]), base_dgrad):
+            assert not a.isnan().any() and torch.equal(a, r)
+
+
+def test_env_overridden_switches_back(monkeypatch):
+    """env.overridden changes the run-time switches for a block and puts them back, an exception included; the
+    interpreter switch, frozen into kernels at import, and unknown names are refused."""
+    before = (env.PINGPONG, env.TMA_MODE)
+    with pytest.raises(RuntimeError):
+        with env.overridden(PINGPONG=False, TMA_MODE="0"):
+            assert (env.PINGPONG, env.TMA_MODE) == (False, "0")
+            raise RuntimeError
+    assert (env.PINGPONG, env.TMA_MODE) == before
+    for bad in ("INTERPRET", "PINGPONGS"):
+        with pytest.raises(ValueError, match=bad):
+            env.overridden(**{bad: False})
