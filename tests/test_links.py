@@ -16,11 +16,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Folders that a pending GPU run will write (the README's results table and the portable kernels' section cite
-# them already). A link into one of them may point at nothing for now; remove a prefix once its folder is committed.
-PENDING_RESULTS = ("results/h200/", "results/portable/")
-
-
 def markdown_files():
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     for folder in ("results", "lab"):
@@ -96,11 +91,6 @@ def is_external(target):
     return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target)) or target.startswith("//")
 
 
-def pending(resolved):
-    relative = os.path.relpath(resolved, ROOT).replace(os.sep, "/")
-    return any(relative.startswith(prefix) or relative + "/" == prefix for prefix in PENDING_RESULTS)
-
-
 def problems_of(path):
     """What is wrong with the links of one markdown file, one line each."""
     problems = []
@@ -111,8 +101,7 @@ def problems_of(path):
         file_part, _, anchor = target.partition("#")
         resolved = (path.parent / file_part).resolve() if file_part else path
         if file_part and not resolved.exists():
-            if not pending(resolved):
-                problems.append(f"{where}:{number}: {target}: no such file")
+            problems.append(f"{where}:{number}: {target}: no such file")
             continue
         if anchor:
             if resolved.is_dir() or resolved.suffix != ".md":
@@ -121,7 +110,7 @@ def problems_of(path):
                 problems.append(f"{where}:{number}: {target}: no heading with that anchor in {resolved.name}")
     for number, cited in cited_paths(path):
         candidates = [(path.parent / cited).resolve(), (ROOT / cited).resolve()]
-        if not any(c.exists() or pending(c) for c in candidates):
+        if not any(c.exists() for c in candidates):
             problems.append(f"{where}:{number}: `{cited}`: no such file")
     return problems
 
@@ -150,7 +139,7 @@ def test_a_broken_link_or_anchor_is_found(tmp_path, monkeypatch):
     page = tmp_path / "README.md"
     page.write_text(
         "[fine](results/kept.txt) [fine](docs/a.md#two-words) [fine](#here) [ext](https://example.com/x)\n"
-        "[pending](results/h200/README.md) `results/portable/x.txt`\n"
+        "[fine too](results/kept.txt) `results/kept.txt`\n"
         "```\n[in a fence](nowhere.md)\n```\n"
         "# Here\n"
         "[gone](results/gone.txt) [bad anchor](docs/a.md#three-words) `results/missing.txt` [self](#nowhere)\n")
