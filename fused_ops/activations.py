@@ -14,7 +14,8 @@ from . import env
 
 # silu_and_grad (the gated ping-pong epilogue's) uses the GPU's approximate exp2 and reciprocal with subnormals
 # flushed: one MUFU instruction each, where tl.exp and a division add range fix-ups for subnormal results (a compare, a
-# select and a multiply each): 14% fewer instructions in the gated FP8 forward (lab/sass_stats.py). Flushing moves
+# select and a multiply each): 14% fewer instructions in the gated FP8 forward (a SASS count; git log --
+# lab/sass_stats.py). Flushing moves
 # only results below 2^-126 (~1e-38). Under the interpreter (CPU), plain Triton.
 _FLUSH_ASM = tl.constexpr(not env.INTERPRET)
 

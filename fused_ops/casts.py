@@ -54,7 +54,7 @@ def quantize(v, scale, OUT: tl.constexpr, EMULATE: tl.constexpr):
     # On a GPU the conversion saturates by itself (cvt.rn.satfinite: finite values past the range become ±fp8_max,
     # NaN stays NaN), so only ±inf has to become NaN first: t · 0 + t is t for every finite t (exactly, signed zeros
     # too: one rounding) and NaN for ±inf. One FMA an element where the clamps and the inf test took four, in
-    # epilogues whose math is on their critical path (docs/performance.md, round 22); the GPU tests check saturation
+    # epilogues whose math is on their critical path (docs/performance.md); the GPU tests check saturation
     # and NaN (tests/test_fp8.py, tests/test_pingpong.py).
     return tl.fma(t, 0.0, t).to(OUT)
 

@@ -149,7 +149,7 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
                                    saved) is not NotImplemented:
         return out, (saved if save else None), stats  # a fast backend ran it (Hopper, 16-bit: hopper/dispatch.py)
     # The TMA loop reads x and W.T through descriptors, in either orientation of W at the same speed
-    # (lab/results/profile_mlp_h100.txt).
+    # (git log -- lab/results/profile_mlp_h100.txt).
     # The LayerNorm fold normalizes x's tiles in registers, so it keeps the pointer loop.
     descriptors, b_kmajor = tma_operands(x, weight.t()) if ln is None else ([], False)
     if not descriptors and x.is_cuda and M >= TRANSPOSE_WEIGHT_MIN_M and weight.stride(1) == 1:

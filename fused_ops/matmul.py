@@ -59,7 +59,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
       the copy engine moves whole tiles into shared memory, fills out-of-bounds rows and K columns with
       zeros, and leaves the warps free to issue MMAs. B is described by a (K, N) descriptor, or with
       B_KMAJOR by the (N, K) matrix it is the transpose of (a row-major weight); strides are unused.
-      On Hopper it is the faster of the two loops (lab/overlap_probe.py; docs/performance.md).
+      On Hopper it is the faster of the two loops (results/portable/).
 
     With TWO_B, a second accumulator gets A @ B2 where B2 starts b2_offset elements after B (with TMA:
     b2_offset columns of B further along N, i.e. rows of a K-major weight): the gated

@@ -205,7 +205,7 @@ class LaunchPlan:
 
     Why: Triton's JIT launch re-derives on every call what is fixed per key (it binds every argument,
     builds a cache key from them, looks the kernel up), and that host time is a large share of a fused
-    call's (lab/launch_overhead.py measures it; docs/performance.md has the numbers). A plan keeps the
+    call's (docs/performance.md, CUDA graphs and the host). A plan keeps the
     compiled kernel of each argument specialization (see _specialization) and launches it with the
     argument list in the kernel's parameter order. A new specialization goes through the JIT once
     (compiling if needed) and is then kept.

@@ -6,7 +6,6 @@ docs cite a file without linking it.
 
 Pure text, no torch: runs in well under a second."""
 
-import os
 import re
 import sys
 import unicodedata

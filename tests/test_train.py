@@ -378,8 +378,8 @@ def test_fp8_trains_and_resumes(dataset, tmp_path):
 
     The bounds, measured on this CPU run: FP8 moves a step's loss by at most 0.0017 from the 16-bit run's, and its
     weights' total update differs from the 16-bit one by 7% (9% for the MLPs' weights alone). Broken on purpose
-    (lab/mutations_issue51_plugin.py, over 10 steps): an FP8 backward giving zero weight gradients moves the losses up
-    to 0.064 away and the updates by 79% (the MLPs' by 100%); zero input gradients, 0.018 and 33% (26%); a forward
+    (a mutation run over 10 steps, lab/mutations_issue51_plugin.py in git): an FP8 backward giving zero weight gradients
+    moves the losses up to 0.064 away and the updates by 79% (the MLPs' by 100%); zero input gradients, 0.018 and 33% (26%); a forward
     giving zeros, 0.079 and 41% (40%). So 0.005 and 15% leave margins of about 3x (losses) and 1.7x (updates) on
     either side."""
     out, ref = str(tmp_path / "out"), str(tmp_path / "fp16")

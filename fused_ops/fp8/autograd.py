@@ -41,7 +41,7 @@ from .state import _STATES, _set_current_scale, check_fp8_device, quantize_weigh
 #   amax folded in): where the FP8 outputs cannot run, or failed (the 16-bit ones keep running).
 # - else the Triton kernels (kernels.py) write them quantized: Ada, the CPU interpreter, or a failed ping-pong.
 # The ping-pong kernels take the FP8 operands straight into FP8 MMAs; measured at each stage in
-# results/fp8_stage1_h100.txt and results/fp8_stage3_h100.txt.
+# H100 files since removed (git log -- results/fp8_stage1_h100.txt results/fp8_stage3_h100.txt).
 PINGPONG_FP8 = {"forward": True, "dgrad": True}
 SEPARATE_CAST = {"forward": True, "dgrad": True}
 

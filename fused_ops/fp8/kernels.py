@@ -4,7 +4,7 @@ produces the operand where the GPU allows.
 Why FP8, and why fused. On Hopper the FP8 tensor cores run at twice bf16's rate, but a GEMM in FP8 needs both
 operands quantized (scaled, rounded to 8 bits) and, for the weight-gradient GEMMs that reduce over the tokens,
 transposed: Hopper's FP8 MMA takes only K-major operands. Done as separate passes (torchao's float8), the casts,
-amax reductions and transposes cost more than FP8 saves at GPT-2's width (lab/fp8/README.md has the arithmetic).
+amax reductions and transposes cost more than FP8 saves at GPT-2's width (docs/performance.md, the FP8 recipe).
 Here each quantized operand is written by the kernel that produces it, in the same epilogue, from values still in
 registers:
 
@@ -19,7 +19,8 @@ The weights' copies, W1 and W1ᵀ, W2 and W2ᵀ in e4m3 (quantize_weight: each G
 once per optimizer step (FP8State.weights). On Hopper the two GEMMs with epilogues run in the ping-pong kernels
 (../hopper/pingpong.py, launched by hopper.py here: FP8 main loops, FP8_IN, and FP8 epilogues, FP8_OUT, gated
 ones included): 114 and 94 µs at GPT-2
-small's size against 123 and 114 for their bf16 versions (results/fp8_stage3_h100.txt; autograd.PINGPONG_FP8).
+small's size against 123 and 114 for their bf16 versions (an H100 run in git history, results/fp8_stage3_h100.txt;
+autograd.PINGPONG_FP8).
 Elsewhere (Ada, the CPU interpreter, a ping-pong kernel that failed) this file's Triton kernels run them, their FP8
 tiles converted to fp16 (exact) for the dot, and transpose_fp8 writes h8ᵀ. Activations and weights are e4m3 (more
 mantissa), gradients e5m2 (more range), TransformerEngine's "hybrid" format; every FP8 GEMM pairs one e4m3 operand
@@ -111,7 +112,7 @@ def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, s
     fp8(x · scale). The transposed copy is right for 16-bit x only: from fp32 x it came out wrong on an H100 and
     an H200 with Triton 3.6 (quantize_weight_fused asks for the row-major one only). COPY > 0: the first program
     also copies COPY floats from copy_from to copy_to (the FP8 MLP's forward keeps its scales so, where a copy of
-    its own was a graph node with a launch gap after it: lab/results/fp8_round23.txt)."""
+    its own was a graph node with a launch gap after it; git log -- lab/results/fp8_round23.txt)."""
     if COPY > 0:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             offs = tl.arange(0, COPY)
@@ -308,7 +309,7 @@ def _padded(m):
 
 # cast_transpose_kernel's tile and warps (BLOCK_M, BLOCK_C, num_warps), by whether it also writes the row-major
 # copy: with it (h, gz: 12288 x 3072) 2 warps took 60 µs against 74 with 4; without (x, gy: 12288 x 768) 4 warps
-# were best (lab/fp8/cast_tiles.py on an H200, results/fp8_cast_tiles_h200.txt).
+# were best (on an H200; git log -- results/fp8_cast_tiles_h200.txt).
 CAST_TILE = {True: (32, 32, 4), False: (32, 32, 4)} if env.INTERPRET else {True: (64, 64, 2), False: (64, 64, 4)}
 
 

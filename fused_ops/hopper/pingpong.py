@@ -173,7 +173,7 @@ if AVAILABLE:
         AUX: gl.constexpr = 0 if FP8_OUT and GATE_UP_B else 1
         # The gated FP8 forward stages dh/dgate and dh/dup before h is quantized: up and gate' then die first and ptxas
         # spills nothing (36 bytes the other way round, 1.5 µs slower); the GELU forward was 1 µs slower in that order
-        # and keeps its own (lab/results/fp8_round23.txt).
+        # and keeps its own (git log -- lab/results/fp8_round23.txt).
         DH_FIRST: gl.constexpr = FP8_OUT and GATE_UP_B
         STORES: gl.constexpr = (2 + PER_PART - AUX) if FP8_OUT else 1 + (PER_PART - 1) * SAVE  # one part's TMA stores
         if HAS_BIAS:  # gated: acc column c is output off_n + c % TN of the gate (c < TN) or up half (N further)
@@ -354,10 +354,10 @@ if AVAILABLE:
         # FP8_OUT: the amax of each of the tile rows' outputs over all tiles so far (each row's 4 lanes reduce their
         # part; one thread holds 2 rows), reduced across the warps and folded into amax_ptr once, after the last tile:
         # a reduction across warps goes through shared memory and barriers that stall all 8 warps, so not at every
-        # part or tile (lab/fp8/round22_probe.py). A maximum does not depend on the order it is taken in.
+        # part or tile (git log -- lab/fp8/round22_probe.py). A maximum does not depend on the order it is taken in.
         row_amax = gl.zeros([BM], gl.float32, gl.SliceLayout(1, acc_layout))
         # The scalars every tile uses, loaded once: a global load at each tile's epilogue stalls it until the value
-        # comes back from L1 or L2 (lab/fp8/ncu_stalls.py; measured in lab/results/fp8_round23.txt).
+        # comes back from L1 or L2 (Nsight Compute's stall reasons; git log -- lab/results/fp8_round23.txt).
         scale = 1.0
         if FP8_OUT:
             scale = gl.load(scale_ptr)
@@ -467,7 +467,7 @@ if AVAILABLE:
 
 # The gated dgrad has only 3 ring slots (both saved halves are prefetched into shared memory, see
 # SHARED_MEMORY_PLAN) and reduces the bias gradient over 8 parts. On an H100 the Triton dgrad beats it once K
-# (the model width) passes 768, or whenever the bias gradient is asked for (lab/results/pingpong_h100.txt), so
+# (the model width) passes 768, or whenever the bias gradient is asked for (lab/results/pingpong_h100.txt in git), so
 # the gated dgrad runs here only below that. The plain dgrad is as fast as the Triton one or faster at every
 # width measured.
 GATED_DGRAD_MAX_K = 768
