@@ -51,6 +51,7 @@ import bench_mlp
 import train
 from fused_ops import env as fused_env
 from helpers import config, errors, runtime
+from helpers.variants import MLPS, compile_setting, kernel_family, parse_variant, variant_list  # noqa: F401 (the lab's)
 from model import GPT, GPTConfig
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "activation")
@@ -109,19 +110,6 @@ def parse_args(argv=None):
     return args
 
 
-MLPS = ("eager", "fused", "auto", "fp8", "fp8blocks", "torchao")
-FAMILIES = {"+portable": bench_mlp.FAMILIES["portable"], "+pointer": bench_mlp.FAMILIES["pointer"]}
-
-
-def kernel_family(mlp):
-    """(the variant without its kernel family, the fused_ops.env switches that select the family): "fused+cls+portable"
-    is ("fused+cls", {"PINGPONG": False})."""
-    for tag, switches in FAMILIES.items():
-        if mlp.endswith(tag):
-            return mlp[: -len(tag)], switches
-    return mlp, {}
-
-
 def pick_dtype(args):
     return getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
 
@@ -138,30 +126,6 @@ def load_config(args):
     bpe = "char" not in str(cfg.get("dataset", ""))
     model["vocab_size"] = args.vocab_size or (50304 if bpe else 256)
     return model, args.batch_size or cfg.get("batch_size", 12)
-
-
-def compile_setting(text):
-    """--compile's entries: "False" / "True" as booleans, anything else a torch.compile mode."""
-    return {"False": False, "True": True}.get(text, text)
-
-
-def variant_list(args):
-    """(mlp, compile setting) of each variant: every --mlps entry under every --compile setting, except an entry that
-    names its own after "@" (eager@True, fp8blocks+cls8@reduce-overhead), which runs under that one only."""
-    variants = []
-    for c in args.compile.split(","):
-        for m in args.mlps.split(","):
-            mlp, _, own = m.partition("@")
-            if not own or c == args.compile.split(",")[0]:
-                variants.append((mlp, compile_setting(own or c)))
-    return variants
-
-
-def parse_variant(text):
-    """A lab probe's variant name ("fused", "fp8+compile", "fused+cls+reduce-overhead") as (mlp, compile setting)."""
-    cls = "+cls8" if "+cls8" in text else "+cls" if "+cls" in text else ""
-    mlp, _, mode = text.replace(cls, "").partition("+")
-    return mlp + cls, compile_setting({"": "False", "compile": "True"}.get(mode, mode))
 
 
 def setup(args):
@@ -381,7 +345,7 @@ def run(args):
         return mlp_widths(args)
     model_args, batch_size, dtype, batches, state = setup(args)
     T = model_args.get("block_size", 1024)
-    variants = variant_list(args)
+    variants = variant_list(args.mlps, args.compile)
     master = not dist.is_initialized() or dist.get_rank() == 0  # (under torchrun: several_gpus)
     if args.rounds > 1:
         rows = run_interleaved(model_args, state, variants, batches, args, dtype)

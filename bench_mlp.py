@@ -31,6 +31,7 @@ import triton
 from triton.testing import do_bench
 
 from helpers import errors
+from helpers.variants import FAMILIES
 from fused_ops import env as fused_env, fp8_supported, linear_act_dgrad, linear_act_forward
 from fused_ops.numerics import EPS, rel_err
 from fused_ops.tuning import TUNING_LOG
@@ -39,8 +40,6 @@ from model import MLP, GPTConfig
 DTYPE = torch.bfloat16
 DEFAULT_TOKENS = {768: 12288, 1024: 16384, 2048: 8192, 4096: 8192}  # M per width C (others: 8192)
 DEFAULT_OUT = "out-bench/mlp.json"  # untracked (.gitignore's out*/), as bench.py's
-# The kernel families a fused path can run (fused_ops.env switches); "fused" is the GPU's own choice.
-FAMILIES = {"fused": {}, "portable": dict(PINGPONG=False), "pointer": dict(PINGPONG=False, TMA_MODE="0")}
 
 
 def add_backward_thread_arg(ap):

@@ -8,7 +8,8 @@ before the code. The reading order:
 The portable core (any GPU Triton runs on, or the CPU interpreter; no Hopper kernel, FP8 or speed machinery):
 
 1. activations.py: every activation and its derivative as a Triton function chosen by a compile-time name.
-2. tuning.py: block sizes, our own tuning keyed by the weight (never the batch size), and launch plans.
+2. tuning.py: block sizes (sized to each GPU's shared memory), our own tuning keyed by the weight (never the batch
+   size), one program a tile or a persistent grid, and launch plans.
 3. matmul.py: the matmul main loop every kernel shares (TMA on Hopper, pointers elsewhere), tile order, epilogues
    (casts.py: the FP8 tile casts the main loop and the FP8 kernels share).
 4. linear_act.py: act(x @ W.T + b) with dh/dz saved for backward; gated activations from one read of x.
@@ -17,25 +18,27 @@ The portable core (any GPU Triton runs on, or the CPU interpreter; no Hopper ker
 7. ops.py: the kernels as torch.library operators, so torch.compile (even fullgraph=True) compiles around them.
 8. mlp.py: argument checks and the MLP's autograd: the two kernels above plus cuBLAS for the rest.
 9. backends.py: where a faster kernel for an op registers; linear_act.py, dgrad.py and classifier.py ask it first.
-10. classifier.py: the LM head and the cross-entropy as one operator (model.GPT's classifier="fused"): chunks of
+10. numerics.py: the error measure every comparison with float64 uses (rel_err) and its per-dtype epsilon (the
+    tests' and benchmarks' "no worse than twice the same-dtype PyTorch error" rule).
+11. classifier.py: the LM head and the cross-entropy as one operator (model.GPT's classifier="fused"): chunks of
     logits, one row kernel that writes the loss's gradient over them, cuBLAS for the GEMMs (on Hopper the logits'
     GEMM is hopper/'s, which also writes each row's log-sum-exp per tile: the row kernel then reads it once).
 
 Then, above the core:
 
-11. hopper/: pingpong.py, the Hopper forward and dgrad, and the classifier's logits GEMM, in Gluon, warp-specialized,
+12. hopper/: pingpong.py, the Hopper forward and dgrad, and the classifier's logits GEMM, in Gluon, warp-specialized,
     and dispatch.py, which registers them with backends.py; if the kernel fails to compile or launch on your Triton,
     the portable kernels take over after one FallbackWarning (FUSED_OPS_PINGPONG=0 turns it off).
-12. fp8/: the opt-in FP8 MLP. kernels.py: delayed per-tensor scales (the recipe), the casts and the Triton
+13. fp8/: the opt-in FP8 MLP. kernels.py: delayed per-tensor scales (the recipe), the casts and the Triton
     epilogues (off Hopper) that write the FP8 copies; state.py: FP8State; hopper.py: on Hopper the ping-pong
     kernel's FP8 main loops and epilogues (FP8_IN, FP8_OUT); autograd.py runs it, outside torch.compile and inside;
     classifier.py: the classifier's FP8 form (classifier="fp8"), its logits' and dx's GEMMs in FP8; linear.py:
     a plain linear in FP8 (fp8_reach="blocks": the attention's projections).
-13. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
+14. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
     shape, so its dozen launches cost one (FUSED_OPS_GRAPHS=0 turns them off: they keep memory).
-14. precompile.py: with a cold Triton cache, a child process compiles the MLP's kernels while the run starts up
+15. precompile.py: with a cold Triton cache, a child process compiles the MLP's kernels while the run starts up
     (FUSED_OPS_PRECOMPILE=0 turns it off).
-15. layers.py: the runners model.MLP picks once (FusedMLP, FP8MLP, AutoMLP), which own the CUDA graphs.
+16. layers.py: the runners model.MLP picks once (FusedMLP, FP8MLP, AutoMLP), which own the CUDA graphs.
 """
 
 from .activations import GATED, PLAIN, kernel_activations

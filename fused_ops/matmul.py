@@ -75,9 +75,10 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
     LayerNorm then Linear would round it: rounding the raw row first (to 16 bits, under autocast) would
     keep only the digits of its mean when the mean is large against the spread.
 
-    With UPCAST (FP8 operands, fp8/kernels.py's Triton kernels), each tile is converted to fp16 before the dot: exact
-    (every e4m3 and e5m2 value is an fp16 value), so the products are exact as in an FP8 MMA, and the same code
-    runs under the interpreter and on any GPU. Returns (acc, acc2).
+    FP8 operands (fp8/kernels.py's Triton kernels) go to FP8 MMAs as they are where the GPU has them (Ada, Hopper:
+    fp8_mma_available; through TMA, B K-major, on Hopper). With UPCAST (elsewhere: Ampere, the interpreter) each tile
+    is converted to fp16 before the dot instead: exact (every e4m3 and e5m2 value is an fp16 value), so the products
+    are exact as in an FP8 MMA, through the pointer loop. Returns (acc, acc2).
     """
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)

@@ -17,4 +17,5 @@ imports a script (tests/test_layout.py checks both).
     runlog.py        out_dir/log.jsonl, loss.png and wandb                                        train
     stopping.py      how a run ends early: Ctrl-C / SIGTERM (save, say how to resume), NaN, OOM   train
     timing.py        RunTimer: where a run's time goes (start-up, steps, evals, checkpoints)      train
+    variants.py      a benchmark variant's name: MLP, classifier, kernel family, compile setting  bench, bench_mlp
 """

@@ -212,8 +212,8 @@ def test_variants_name_their_kernel_family_and_compile_setting():
     assert bench.kernel_family("fp8blocks+cls8") == ("fp8blocks+cls8", {})
     args = bench.parse_args(["configs/gpt2_124m.py", "--device=cpu", "--compile=reduce-overhead,False",
                              "--mlps=eager@True,fused+portable"])
-    assert bench.variant_list(args) == [("eager", True), ("fused+portable", "reduce-overhead"),
+    assert bench.variant_list(args.mlps, args.compile) == [("eager", True), ("fused+portable", "reduce-overhead"),
                                         ("fused+portable", False)]
     from helpers import errors
-    with pytest.raises(errors.UsageError, match="fused\+portables"):
+    with pytest.raises(errors.UsageError, match=r"fused\+portables"):
         bench.parse_args(["configs/gpt2_124m.py", "--device=cpu", "--mlps=fused+portables"])
