@@ -273,6 +273,13 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=
             _plans.pop(key, None)  # a cached choice this kernel no longer compiles: tune again
             cfg = None
     if cfg is None:
+        if _capturing():
+            # Tuning times the candidates (do_bench synchronizes): that invalidates a CUDA graph capture, whose later
+            # launches then fail with a message that names neither. Say what happened instead.
+            raise RuntimeError(f"{getattr(kernel, '__name__', kernel)} would be tuned (its candidates timed) inside "
+                               f"a CUDA graph capture (key {key[:3]}): run the step once outside the capture first (on "
+                               "Hopper: the ping-pong kernel declined or failed inside the capture; see its "
+                               "FallbackWarning, or set FUSED_OPS_PINGPONG=0)")
         for c in configs:  # every candidate compiled first, untimed: a precompiling child may be using the GPU
             try:
                 run_config(kernel, M, N, K, args, consts, c, descriptors)
@@ -295,6 +302,11 @@ def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=
     TUNING_LOG.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), key, cfg,
                        time.perf_counter() - t0))
     return plan.cfg
+
+
+def _capturing():
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _cache_entry(kernel, key):

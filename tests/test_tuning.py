@@ -277,3 +277,22 @@ def test_env_overridden_switches_back(monkeypatch):
     for bad in ("INTERPRET", "PINGPONGS"):
         with pytest.raises(ValueError, match=bad):
             env.overridden(**{bad: False})
+
+
+def test_no_tuning_starts_inside_a_cuda_graph_capture(monkeypatch):
+    """A kernel's first launch tunes it, timing its candidates (synchronizing): inside a CUDA graph capture that
+    invalidates the capture, and the failure surfaced later, at a launch that had nothing to do with it. It raises at
+    once instead, naming the kernel, with nothing tuned; a kernel already tuned still launches."""
+    monkeypatch.setattr(tuning, "matmul_configs", lambda gated=False, dtype=None: [  # two candidates: a tuning
+        tuning._config(32, 32, 32, 4, 1, group_m=2), tuning._config(16, 16, 16, 4, 1, group_m=2)])
+    monkeypatch.setattr(env, "TUNING_CACHE", "0")
+    from fused_ops.linear_act import linear_act_forward
+    x, w = torch.randn(8, 16), torch.randn(32, 16)
+    linear_act_forward(x, w, None, "gelu")  # tuned outside the capture
+    monkeypatch.setattr(tuning, "_capturing", lambda: True)
+    out, _ = linear_act_forward(x, w, None, "gelu")  # its plan exists: a launch, no tuning
+    assert torch.isfinite(out).all()
+    before = len(tuning.TUNING_LOG)
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        linear_act_forward(x, torch.randn(48, 16), None, "gelu")  # a new weight shape: a new key
+    assert len(tuning.TUNING_LOG) == before
