@@ -29,7 +29,7 @@ from helpers import checkpoint, config, data, errors, runtime
 from helpers.config import DEFAULTS, ConfigError
 from helpers.prepare_data import ensure_dataset
 from helpers.runlog import RunLog, check_wandb, closing, plot_losses
-from helpers.stopping import StopOnSignal, agreement_group, diverged, out_of_memory, stopped_by_signal
+from helpers.stopping import StopOnSignal, check_tokens, diverged, out_of_memory, stopped_by_signal
 from helpers.timing import RunTimer, plural
 from model import GPT, GPTConfig
 
@@ -332,20 +332,6 @@ def train_step(model, batches, optimizer, scaler, cfg, autocast, accum, world):
     if math.isfinite(lossf):
         runtime.clip_and_step(optimizer, model.parameters(), cfg["grad_clip"], scaler)
     return lossf
-
-
-def check_tokens(batches, world):
-    """Where the loss is NaN: the batch of a token id out of the vocabulary, if any process drew one, as the one-line
-    error naming the file (every process raises it; rank 0 prints it). In one process Batches raised it already;
-    under torchrun the process that drew it trained that batch with every target ignored, whose NaN loss brought
-    every process here (helpers/data.Batches)."""
-    found = [batches.bad_tokens]
-    if world > 1:
-        found = [None] * world
-        dist.all_gather_object(found, batches.bad_tokens, group=agreement_group())
-    message = next(filter(None, found), None)
-    if message:
-        raise errors.UsageError(message)
 
 
 def report_step(log, bar, cfg, it, lossf, lr, dt, tokens_per_s, mfu, master):

@@ -153,11 +153,13 @@ def load_tokens(data_dir, split, dtype=None):
     dtype = dtype or load_meta(data_dir)["dtype"]
     return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=dtype, mode="r")
 
+
 def bad_token_message(path, token, vocab_size):
     """The one line for a token file holding an id the vocabulary has not (the embedding would fail on it: an
     IndexError on the CPU, a device-side assert on a GPU)."""
     return (f"{path} holds token id {token}, but meta.json's vocab_size is {vocab_size} (ids 0 to {vocab_size - 1}): "
             "the token files do not match meta.json; prepare the dataset again (prepare.py)")
+
 
 class Batches:
     """Random windows of the token files, drawn with a private generator so that the data order is

@@ -3,7 +3,8 @@ How a training run ends early, each way in one line that says what was kept and 
 
 - Ctrl-C or SIGTERM: the first asks the run to stop at the end of its step and save a checkpoint, then prints
   the command that resumes it; a second one quits at once (the last checkpoint is kept whole).
-- a loss that becomes NaN or inf: stop before it reaches the weights, without saving over a good checkpoint.
+- a loss that becomes NaN or inf: stop before it reaches the weights, without saving over a good checkpoint; where
+  a token id outside the vocabulary made it so, say that instead (check_tokens).
 - out of memory: which settings lower the memory a step needs.
 
 Under torchrun each process gets Ctrl-C twice, from the terminal and forwarded by torchrun (which then waits its
@@ -40,6 +41,20 @@ def agreement_group():
     if _GROUPS.get("world") is not dist.group.WORLD:  # none yet, or one of an earlier (destroyed) default group
         _GROUPS.update(world=dist.group.WORLD, gloo=dist.new_group(backend="gloo"))
     return _GROUPS["gloo"]
+
+
+def check_tokens(batches, world):
+    """Where the loss is NaN: the batch of a token id out of the vocabulary, if any process drew one, as the one-line
+    error naming the file (every process raises it; rank 0 prints it). In one process Batches raised it already;
+    under torchrun the process that drew it trained that batch with every target ignored, whose NaN loss brought
+    every process here (helpers/data.Batches)."""
+    found = [batches.bad_tokens]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, batches.bad_tokens, group=agreement_group())
+    message = next(filter(None, found), None)
+    if message:
+        raise errors.UsageError(message)
 
 
 class StopOnSignal:

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import data, errors
-import train
+from helpers import data, errors, stopping
 from test_train import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,7 +140,7 @@ def test_under_torchrun_when_only_rank_1_draws_it(tmp_path, positions, where, cl
 
 def test_batches_defer_the_error_under_torchrun(tmp_path):
     """Batches(defer_errors=True) hands the bad batch out with every target ignored and keeps the message, which
-    train.check_tokens raises; without defer_errors the draw raises it."""
+    stopping.check_tokens raises; without defer_errors the draw raises it."""
     ids = clean(0)
     ids[::20] = VOCAB
     folder = write_dataset(tmp_path / "d", ids, clean(1))
@@ -151,5 +150,5 @@ def test_batches_defer_the_error_under_torchrun(tmp_path):
     x, y = batches.get("train")
     assert not x.any() and (y == -1).all() and "holds token id 64" in batches.bad_tokens
     with pytest.raises(errors.UsageError, match="holds token id 64"):
-        train.check_tokens(batches, 1)
-    train.check_tokens(data.Batches(write_dataset(tmp_path / "ok", clean(0), clean(1)), B, T, "cpu", seed=0), 1)
+        stopping.check_tokens(batches, 1)
+    stopping.check_tokens(data.Batches(write_dataset(tmp_path / "ok", clean(0), clean(1)), B, T, "cpu", seed=0), 1)
