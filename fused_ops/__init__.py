@@ -23,22 +23,23 @@ The portable core (any GPU Triton runs on, or the CPU interpreter; no Hopper ker
 11. classifier.py: the LM head and the cross-entropy as one operator (model.GPT's classifier="fused"): chunks of
     logits, one row kernel that writes the loss's gradient over them, cuBLAS for the GEMMs (on Hopper the logits'
     GEMM is hopper/'s, which also writes each row's log-sum-exp per tile: the row kernel then reads it once).
+12. adamw.py: AdamW's step as one launch a parameter group, at the memory's rate (model.configure_optimizers').
 
 Then, above the core:
 
-12. hopper/: pingpong.py, the Hopper forward and dgrad, and the classifier's logits GEMM, in Gluon, warp-specialized,
+13. hopper/: pingpong.py, the Hopper forward and dgrad, and the classifier's logits GEMM, in Gluon, warp-specialized,
     and dispatch.py, which registers them with backends.py; if the kernel fails to compile or launch on your Triton,
     the portable kernels take over after one FallbackWarning (FUSED_OPS_PINGPONG=0 turns it off).
-13. fp8/: the opt-in FP8 MLP. kernels.py: delayed per-tensor scales (the recipe), the casts and the Triton
+14. fp8/: the opt-in FP8 MLP. kernels.py: delayed per-tensor scales (the recipe), the casts and the Triton
     epilogues (off Hopper) that write the FP8 copies; state.py: FP8State; hopper.py: on Hopper the ping-pong
     kernel's FP8 main loops and epilogues (FP8_IN, FP8_OUT); autograd.py runs it, outside torch.compile and inside;
     classifier.py: the classifier's FP8 form (classifier="fp8"), its logits' and dx's GEMMs in FP8; linear.py:
     a plain linear in FP8 (fp8_reach="blocks": the attention's projections).
-14. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
+15. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
     shape, so its dozen launches cost one (FUSED_OPS_GRAPHS=0 turns them off: they keep memory).
-15. precompile.py: with a cold Triton cache, a child process compiles the MLP's kernels while the run starts up
+16. precompile.py: with a cold Triton cache, a child process compiles the MLP's kernels while the run starts up
     (FUSED_OPS_PRECOMPILE=0 turns it off).
-16. layers.py: the runners model.MLP picks once (FusedMLP, FP8MLP, AutoMLP), which own the CUDA graphs.
+17. layers.py: the runners model.MLP picks once (FusedMLP, FP8MLP, AutoMLP), which own the CUDA graphs.
 """
 
 from .activations import GATED, PLAIN, kernel_activations
@@ -47,6 +48,7 @@ from .linear_act import linear_act_forward
 from .mlp import (FusedMLPFunction, LinearActFunction, check_mlp_args, fused_mlp, fused_mlp_layers, kernels_can_run,
                   layers_as_function, linear_act)
 from .classifier import linear_cross_entropy
+from .adamw import FusedAdamW
 from . import hopper  # noqa: F401  (after the core: registers the Hopper kernels with backends)
 from .fp8 import (FP8State, check_fp8_device, fp8_layers_as_function, fp8_linear, fp8_linear_cross_entropy, fp8_mlp,
                   fp8_supported)
@@ -57,5 +59,5 @@ __all__ = [
     "GATED", "PLAIN", "kernel_activations", "FP8State", "check_fp8_device", "fp8_graphs_usable", "fp8_layers_as_function", "fp8_linear", "fp8_linear_cross_entropy", "fp8_mlp", "fp8_supported",
     "MLPGraphs", "graphs_usable",
     "linear_act_dgrad", "linear_act_forward", "FusedMLPFunction", "LinearActFunction", "check_mlp_args", "fused_mlp", "fused_mlp_layers", "kernels_can_run",
-    "linear_act", "layers_as_function", "linear_cross_entropy", "AutoMLP", "FP8MLP", "FusedMLP",
+    "linear_act", "layers_as_function", "linear_cross_entropy", "FusedAdamW", "AutoMLP", "FP8MLP", "FusedMLP",
 ]

@@ -15,6 +15,7 @@ A few are frozen into compile-time constants at import (the interpreter's: activ
 | FUSED_OPS_GRAPHS        | 1                                 | GRAPHS         | per-shape CUDA graphs of the uncompiled fused MLP (graphs.py); 0 off                        |
 | FUSED_OPS_PRECOMPILE    | 1                                 | PRECOMPILE     | compile the MLP's kernels in a child process at start-up (precompile.py); 0 off            |
 | FUSED_OPS_PERSISTENT    | 1                                 | PERSISTENT     | persistent-grid tile configs among the tuning candidates (tuning.py); 0 leaves them out   |
+| FUSED_OPS_ADAMW         | 1                                 | ADAMW          | model.configure_optimizers' AdamW: adamw.py's one-launch kernel on CUDA; 0 PyTorch's fused |
 
 (The default cache file sits under $XDG_CACHE_HOME when that is set.) precompile.py starts its child with
 FUSED_OPS_AUTOTUNE=0 and FUSED_OPS_TUNING_CACHE=0.
@@ -32,6 +33,7 @@ PINGPONG = os.environ.get("FUSED_OPS_PINGPONG", "1") == "1"
 GRAPHS = os.environ.get("FUSED_OPS_GRAPHS", "1") != "0"
 PRECOMPILE = os.environ.get("FUSED_OPS_PRECOMPILE", "1") != "0"
 PERSISTENT = os.environ.get("FUSED_OPS_PERSISTENT", "1") != "0"
+ADAMW = os.environ.get("FUSED_OPS_ADAMW", "1") != "0"
 
 
 class overridden:

@@ -146,11 +146,13 @@ def clip_and_step(optimizer, parameters, max_norm, scaler):
     """Scale the gradients so that their global norm is at most max_norm (if max_norm > 0; clip_grad_norm_'s rule),
     then the optimizer's step. PyTorch's fused AdamW divides every gradient by a tensor, grad_scale, in the pass
     that reads them for the update (GradScaler hands it the loss scale so): the clipping's factor rides in it, instead
-    of a pass of its own that reads and writes every gradient (0.5 GB each way at GPT-2 small's size). The gradients
-    it leaves are the clipped ones, as after clip_grad_norm_. With a loss scale (fp16) or another optimizer, as
+    of a pass of its own that reads and writes every gradient (0.5 GB each way at GPT-2 small's size); so does
+    fused_ops.FusedAdamW (model.configure_optimizers' on a GPU), which leaves .grad unclipped (PyTorch's leaves the
+    clipped gradients, as after clip_grad_norm_). With a loss scale (fp16) or another optimizer, as
     nanoGPT: unscale, clip_grad_norm_, step."""
     parameters = [p for p in parameters if p.grad is not None]
-    fused = isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)) and optimizer.defaults.get("fused")
+    fused = getattr(optimizer, "folds_grad_scale", False) or (  # fused_ops.FusedAdamW, or PyTorch's fused AdamW
+        isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)) and optimizer.defaults.get("fused"))
     if max_norm > 0 and fused and not scaler.is_enabled():
         norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
         optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # 1 / clip_grad_norm_'s factor

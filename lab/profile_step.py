@@ -5,7 +5,7 @@ GPU's busy time per step (sum of kernel times from torch.profiler), and the kern
     python lab/profile_step.py configs/gpt2_124m.py [--activation=swiglu] [--variants=eager+compile,fused+compile]
     (a variant is eager or fused, optionally +compile or +<a torch.compile mode>, e.g. fused+reduce-overhead;
     --cpu-ops N lists the operators by host time, --cprofile N the Python functions, --gaps N the GPU's idle time
-    between the profiled steps' kernels)
+    between the profiled steps' kernels, --who REGEX the operators that launch the kernels matching REGEX)
 
 A step whose host time exceeds its GPU time is host-bound (the GPU waits on Python); otherwise the kernel
 table says which kernels the time goes to.
@@ -66,7 +66,7 @@ def profile_variant(model_args, state, mlp, compiled, batches, args, dtype, step
         for order in ("tottime", "cumulative"):
             pstats.Stats(prof).sort_stats(order).print_stats(args.cprofile)
     activities = [torch.profiler.ProfilerActivity.CUDA]
-    if args.cpu_ops:
+    if args.cpu_ops or args.who:
         activities.append(torch.profiler.ProfilerActivity.CPU)
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(steps):
@@ -74,6 +74,18 @@ def profile_variant(model_args, state, mlp, compiled, batches, args, dtype, step
         torch.cuda.synchronize()
     if args.cpu_ops:  # host time per operator over the profiled steps (the profiler's own overhead included)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.cpu_ops))
+    if args.who:  # which operators launch the kernels matching this pattern (their chain of callers, innermost first)
+        who = collections.Counter()
+        for e in prof.events():
+            for k in getattr(e, "kernels", []):
+                if re.search(args.who, k.name):
+                    chain, p = [], e
+                    while p is not None and len(chain) < 5:
+                        chain.append(p.name[:40])
+                        p = p.cpu_parent
+                    who[" < ".join(chain)] += k.duration / steps / 1e3
+        for chain, ms in who.most_common(10):
+            print(f"  {ms:7.3f} ms/step  {chain}")
     per_kind, per_kernel, launches, kernels = collections.Counter(), collections.Counter(), 0, []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
@@ -119,9 +131,10 @@ def main():
     ap.add_argument("--cprofile", type=int, default=0, help="also list this many Python functions by host time")
     ap.add_argument("--cpu-ops", type=int, default=0, help="also list this many operators by host (CPU) time")
     ap.add_argument("--gaps", type=int, default=0, help="also list the GPU's idle time between kernels (this many rows)")
+    ap.add_argument("--who", help="also list the operators that launch the kernels matching this regular expression")
     a = ap.parse_args()
     args = bench.parse_args([a.config] + ([f"--activation={a.activation}"] if a.activation else []))
-    args.warmup, args.steps, args.cprofile, args.cpu_ops = a.warmup, a.steps, a.cprofile, a.cpu_ops
+    args.warmup, args.steps, args.cprofile, args.cpu_ops, args.who = a.warmup, a.steps, a.cprofile, a.cpu_ops, a.who
     model_args, batch_size, dtype, batches, state = bench.setup(args)
     results = {}
     for v in a.variants.split(","):

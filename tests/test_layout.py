@@ -14,7 +14,7 @@ MAX_LINES = 500
 LONG_ALLOWED = {"fused_ops/hopper/pingpong.py"}  # the Gluon kernel: one warp-specialized kernel, read as a whole
 PRODUCT = ("", "helpers", "fused_ops", "fused_ops/hopper", "fused_ops/fp8")
 CORE = ["env", "casts", "activations", "numerics", "tuning", "matmul", "linear_act", "dgrad", "layernorm", "ops", "mlp",
-        "backends", "classifier"]
+        "backends", "classifier", "adamw"]
 NOT_IN_CORE = ("hopper", "fp8", "graphs", "precompile", "layers")
 
 

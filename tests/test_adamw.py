@@ -1,0 +1,191 @@
+"""fused_ops.adamw.FusedAdamW against AdamW's arithmetic in float64: on the CPU through Triton's interpreter, on a
+GPU against torch's fused AdamW too. The repo's rule: the fused error at most twice torch.optim.AdamW's fp32 error
+(plus a tiny epsilon). Also the clipping's grad_scale, special values, reallocated gradients, and state_dicts
+that move between FusedAdamW and torch.optim.AdamW."""
+
+import math
+
+import pytest
+import torch
+
+from fused_ops.adamw import BLOCK, FusedAdamW
+from fused_ops.numerics import EPS, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SIZES = [(1,), (7, 3), (BLOCK + 5,), (33, 129)]  # one element, odd shapes, a tensor of two blocks with a tail
+ALIGNED_SIZES = [(4,), (64, 12), (BLOCK + 4,), (8, 96)]  # numels of whole 16 bytes: the kernel's vector-load path
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def reference_adamw(params, grads_per_step, lr, betas, eps, weight_decay, decays, grad_scale=1.0):
+    """AdamW's update (torch.optim.AdamW's documentation) in float64, one step per entry of grads_per_step."""
+    ps = [p.double().clone() for p in params]
+    ms = [torch.zeros_like(p) for p in ps]
+    vs = [torch.zeros_like(p) for p in ps]
+    b1, b2 = betas
+    for t, grads in enumerate(grads_per_step, start=1):
+        for p, g, m, v, decay in zip(ps, grads, ms, vs, decays):
+            g = g.to(p.device).double() / grad_scale
+            p.mul_(1 - lr * (weight_decay if decay else 0.0))
+            m.mul_(b1).add_((1 - b1) * g)
+            v.mul_(b2).add_((1 - b2) * g * g)
+            p.sub_(lr / (1 - b1 ** t) * m / ((v / (1 - b2 ** t)).sqrt() + eps))
+    return ps
+
+
+def make(seed, device=DEVICE, sizes=SIZES):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) for s in sizes]
+    grads = [[torch.randn(s, generator=gen) * 10 ** (i - 2) for i, s in enumerate(sizes)] for _ in range(3)]
+    return [p.to(device) for p in params], [[g.to(device) for g in step] for step in grads]
+
+
+def run(optimizer_class, params, grads_per_step, grad_scale=None, **kwargs):
+    params = [p.clone().requires_grad_() for p in params]
+    groups = [{"params": params[:2], "weight_decay": HYPER["weight_decay"]}, {"params": params[2:], "weight_decay": 0.0}]
+    opt = optimizer_class(groups, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], **kwargs)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()  # a new tensor every step: the launch's address table follows
+        if grad_scale is not None:
+            opt.grad_scale = torch.tensor(grad_scale, device=params[0].device)
+        opt.step()
+    return [p.detach() for p in params], opt
+
+
+@pytest.mark.parametrize("grad_scale", [None, 4.0])
+@pytest.mark.parametrize("sizes", [SIZES, ALIGNED_SIZES], ids=["odd", "aligned"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_float64_adamw(seed, sizes, grad_scale):
+    params, grads = make(seed, sizes=sizes)
+    ref = reference_adamw(params, grads, decays=[True, True, False, False], grad_scale=grad_scale or 1.0,
+                          **HYPER)
+    ours, opt = run(FusedAdamW, params, grads, grad_scale)
+    assert all(plan.aligned == (sizes is ALIGNED_SIZES) for plan in opt._plans.values())  # the path meant
+    torch_grads = [[g / grad_scale for g in step] for step in grads] if grad_scale else grads
+    theirs, _ = run(torch.optim.AdamW, params, torch_grads, foreach=False)
+    for o, t, r in zip(ours, theirs, ref):
+        assert rel_err(o, r) <= 2 * rel_err(t, r) + EPS[torch.float32]
+    for o, t, r, p in zip(ours, theirs, ref, params):  # the update itself: p's own size would hide an error in it
+        assert rel_err(o - p, r - p.double()) <= 2 * rel_err(t - p, r - p.double()) + EPS[torch.float32]
+
+
+def test_grads_left_unscaled_and_state_like_torch():
+    params, grads = make(2)
+    ours, opt = run(FusedAdamW, params, grads[:1], grad_scale=2.0)
+    p = opt.param_groups[0]["params"][0]
+    torch.testing.assert_close(p.grad, grads[0][0], rtol=0, atol=0)  # only read
+    state = opt.state[p]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and float(state["step"]) == 1.0
+    assert state["step"].device == p.device and state["step"].dtype == torch.float32
+
+
+def test_special_values_stay_in_their_element():
+    params, grads = make(3)
+    grads = grads[:1]
+    grads[0][2][0], grads[0][2][1], grads[0][2][2] = float("nan"), float("inf"), -float("inf")
+    ours, opt = run(FusedAdamW, params, grads)
+    bad = ours[2][:3]
+    assert torch.isnan(bad).all()  # NaN in; inf/inf for ±inf
+    state = opt.state[opt.param_groups[1]["params"][0]]
+    assert torch.isnan(state["exp_avg"][0]) and torch.isinf(state["exp_avg"][1]) and torch.isinf(state["exp_avg_sq"][1])
+    ref = reference_adamw([q[3:] for q in params[2:3]], [[grads[0][2][3:]]], decays=[False], **HYPER)
+    assert torch.isfinite(ours[2][3:]).all()
+    theirs, _ = run(torch.optim.AdamW, [q[3:] for q in params[2:3]] * 4, [[grads[0][2][3:]] * 4])
+    assert rel_err(ours[2][3:] - params[2][3:], ref[0] - params[2][3:].double()) <= \
+        2 * rel_err(theirs[2] - params[2][3:], ref[0] - params[2][3:].double()) + EPS[torch.float32]
+
+
+def test_state_dict_moves_between_fused_and_torch_adamw():
+    """A checkpoint written by either optimizer resumes in the other, and the two continue alike."""
+    params, grads = make(4)
+    ref = reference_adamw(params, grads, decays=[True, True, False, False], **HYPER)
+    for first, second in [(FusedAdamW, torch.optim.AdamW), (torch.optim.AdamW, FusedAdamW)]:
+        ps, opt = run(first, params, grads[:2])
+        ps = [p.clone().requires_grad_() for p in ps]
+        groups = [{"params": ps[:2], "weight_decay": HYPER["weight_decay"]}, {"params": ps[2:], "weight_decay": 0.0}]
+        resumed = second(groups, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+        resumed.load_state_dict(opt.state_dict())
+        for p, g in zip(ps, grads[2]):
+            p.grad = g.clone()
+        resumed.step()
+        straight, _ = run(second, params, grads)  # the three steps without the checkpoint
+        for p, s, r, p0 in zip(ps, straight, ref, params):
+            assert rel_err(p.detach() - p0, r - p0.double()) <= 2 * rel_err(s - p0, r - p0.double()) + EPS[torch.float32]
+
+
+def test_params_without_grad_untouched():
+    params, grads = make(5)
+    ps = [p.clone().requires_grad_() for p in params]
+    opt = FusedAdamW(ps, **HYPER)
+    ps[1].grad = grads[0][1].clone()
+    opt.step()
+    for i, (p, p0) in enumerate(zip(ps, params)):
+        assert torch.equal(p.detach(), p0) == (i != 1)
+    assert list(opt.state) == [ps[1]]
+
+
+def test_bad_params_named():
+    with pytest.raises(TypeError, match="float32 tensors"):
+        FusedAdamW([torch.zeros(3, dtype=torch.float64, device=DEVICE, requires_grad=True)])
+    with pytest.raises(TypeError, match="float32 tensors"):
+        FusedAdamW([torch.zeros(4, 4, device=DEVICE).t().requires_grad_()])  # not contiguous
+
+
+def test_bias_correction_over_many_steps():
+    """β^t through exp2(t·log2 β) in fp32: steps 1..200 on one element against float64."""
+    p = torch.tensor([0.5], device=DEVICE, requires_grad=True)
+    opt = FusedAdamW([p], lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    ref = reference_adamw([p.detach().clone()], [[torch.tensor([math.sin(t)])] for t in range(200)], lr=1e-2,
+                          betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decays=[False])[0]
+    for t in range(200):
+        p.grad = torch.tensor([math.sin(t)], device=DEVICE)
+        opt.step()
+    assert abs(float(p.detach()) - float(ref)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_against_torch_fused_adamw():
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(768, 3072), (3072,), (50304, 768), (1000003,)]
+    params = [torch.randn(s, generator=gen).cuda() for s in shapes]
+    grads = [[torch.randn(s, generator=gen).cuda() * 1e-2 for s in shapes] for _ in range(3)]
+    ref = reference_adamw(params, grads, decays=[True, True, False, False], grad_scale=3.0, **HYPER)
+    ours, _ = run(FusedAdamW, params, grads, grad_scale=3.0)
+    theirs, _ = run(torch.optim.AdamW, params, grads, grad_scale=3.0, fused=True)
+    for o, t, r, p in zip(ours, theirs, ref, params):
+        assert rel_err(o - p, r - p.double()) <= 2 * rel_err(t - p, r - p.double()) + EPS[torch.float32]
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e3])  # every step clipped; no step clipped
+def test_clip_and_step_folds_the_clip_into_the_launch(max_norm):
+    """train.py's clip_and_step hands FusedAdamW the clipping's factor as grad_scale: the same weights and moments as
+    clip_grad_norm_ then torch.optim.AdamW's step."""
+    from helpers import runtime
+    params, grads = make(7)
+    runs = []
+    for ours in (True, False):
+        ps = [p.clone().requires_grad_() for p in params]
+        opt = (FusedAdamW if ours else torch.optim.AdamW)(ps, **HYPER)
+        scaler = torch.amp.GradScaler(DEVICE, enabled=False)
+        for step in grads:
+            for p, g in zip(ps, step):
+                p.grad = g.clone() * 30  # norms ~30: clipped at 1
+            if ours:
+                runtime.clip_and_step(opt, ps, max_norm, scaler)
+                assert not hasattr(opt, "grad_scale")
+            else:
+                torch.nn.utils.clip_grad_norm_(ps, max_norm)
+                opt.step()
+        runs.append([t.detach() for p in ps for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])])
+    for o, t in zip(*runs):
+        torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-6)  # (rounding: torch takes β^t in float64, lerps)
+
+
+def test_model_picks_it_on_gpus_only():
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16)).to(DEVICE)
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), DEVICE)
+    assert isinstance(opt, FusedAdamW) == (DEVICE == "cuda")
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
