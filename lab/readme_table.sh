@@ -29,12 +29,12 @@ if [ "$part" = steps ] || [ "$part" = all ]; then
   done
 fi
 if [ "$part" = kernels ] || [ "$part" = all ]; then
-  timeout 200 python bench_mlp.py --out "$out/mlp.json" > "$out/mlp.txt" 2>&1; echo "mlp rc=$?"
-  timeout 150 python bench_classifier.py --shapes=12288x768x50304 --rounds=3 --out "$out/classifier.json" \
+  timeout 150 python bench_mlp.py --out "$out/mlp.json" > "$out/mlp.txt" 2>&1; echo "mlp rc=$?"
+  timeout 100 python bench_classifier.py --shapes=12288x768x50304 --rounds=3 --out "$out/classifier.json" \
     > "$out/classifier.txt" 2>&1; echo "classifier rc=$?"
 fi
 if [ "$part" = learning ] || [ "$part" = all ]; then
   [ -f data/shakespeare/train.bin ] || python prepare.py --dataset=shakespeare > /dev/null
-  timeout 400 python lab/fp8/train_compare.py --out "$out/train" --runs bf16,bf16_torch_adamw > "$out/train.txt" 2>&1
+  timeout 250 python lab/fp8/train_compare.py --out "$out/train" --runs bf16,bf16_torch_adamw > "$out/train.txt" 2>&1
   echo "learning rc=$?"
 fi
