@@ -24,19 +24,26 @@ interchangeable with torch.optim.AdamW, fused or not): one _foreach_add_ increme
 its bias corrections from its tensor's count. The gradients are only read: where grad_scale divides them, .grad keeps
 the unclipped values (PyTorch's fused AdamW writes the divided ones back, 4 more bytes a parameter).
 
+A kernel that fails to compile or launch (a Triton that moved, a GPU it does not fit) warns once (FallbackWarning)
+and PyTorch's fused AdamW, which keeps the same state, takes over for the rest of the process.
+
 Special values follow the arithmetic: a NaN or infinite gradient makes its element's p, m and v NaN (inf/inf), and
 every other element is untouched by it.
 """
+
+import contextlib
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
 from . import env
+from .backends import FallbackWarning
 
 BLOCK = 1024  # elements a program updates (8 a thread, two 16-byte vectors): the fastest of those tried (results/glue/)
 NUM_WARPS = 4
-_FIELDS = 6  # the table's rows: parameter, gradient, exp_avg, exp_avg_sq, step addresses; numel
+FAILURE = None  # the exception that turned the kernel off for this process, if one did
 
 
 @triton.jit
@@ -159,19 +166,33 @@ class FusedAdamW(torch.optim.AdamW):
                 continue
             states = [self._state_of(p) for p in params]
             grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
-            torch._foreach_add_([s["step"] for s in states], 1.0)
-            key = (i, tuple(p.data_ptr() for p in params))
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plans[key] = _Plan(params, states)
-            table = plan.table_for(grads)
-            beta1, beta2 = group["betas"]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1.0)  # (PyTorch's fused AdamW, below, also takes them counted)
+            if FAILURE is None:
+                try:
+                    self._launch(i, group, params, states, grads, grad_scale)
+                    continue
+                except Exception as error:  # (compile or launch: a Triton that moved, a GPU it does not fit)
+                    _fails(error)
+            torch._fused_adamw_(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+                                steps, lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
+                                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+                                grad_scale=grad_scale)
+        return loss
+
+    def _launch(self, i, group, params, states, grads, grad_scale):
+        key = (i, tuple(p.data_ptr() for p in params))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _Plan(params, states)
+        table = plan.table_for(grads)
+        beta1, beta2 = group["betas"]
+        with torch.cuda.device(plan.device) if plan.device.type == "cuda" else contextlib.nullcontext():
             adamw_kernel[(plan.n_blocks,)](
                 table, plan.block_tensor, plan.block_index, len(params), float(group["lr"]), beta1, beta2,
                 group["eps"], group["weight_decay"], _log2(beta1), _log2(beta2),
                 grad_scale if grad_scale is not None else table, HAS_SCALE=grad_scale is not None,
                 ALIGNED=plan.aligned, BLOCK=plan.block, num_warps=plan.num_warps)
-        return loss
 
     def _state_of(self, p):
         state = self.state[p]
@@ -180,6 +201,16 @@ class FusedAdamW(torch.optim.AdamW):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         return state
+
+
+def _fails(error):
+    """Turn the kernel off for the rest of the process, with one warning: PyTorch's fused AdamW (the same state)
+    takes over, so a Triton the kernel does not compile on costs speed, never the run."""
+    global FAILURE
+    FAILURE = error
+    warnings.warn(f"FusedAdamW's kernel failed ({type(error).__name__}: {error}); PyTorch's fused AdamW runs instead "
+                  f"for the rest of this process (FUSED_OPS_ADAMW=0 chooses it from the start)", FallbackWarning,
+                  stacklevel=4)
 
 
 def _log2(beta):

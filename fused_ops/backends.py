@@ -21,6 +21,11 @@ Backends register at import: fused_ops/__init__.py imports hopper/ (hopper/dispa
 _registry = {}  # op name -> the function that runs it faster where it can
 
 
+class FallbackWarning(RuntimeWarning):
+    """An optional fast path (a Hopper kernel, FusedAdamW's kernel) failed to compile or launch; the portable path
+    (Triton's kernels, cuBLAS's, PyTorch's) runs instead for the rest of the process."""
+
+
 def register(op, fn):
     """Make fn the fast path of `op` (replacing any earlier one); fn answers NotImplemented where it does not run."""
     _registry[op] = fn

@@ -29,7 +29,7 @@ if [ "$part" = steps ] || [ "$part" = all ]; then
   done
 fi
 if [ "$part" = kernels ] || [ "$part" = all ]; then
-  timeout 150 python bench_mlp.py --out "$out/mlp.json" > "$out/mlp.txt" 2>&1; echo "mlp rc=$?"
+  timeout 400 python bench_mlp.py --out "$out/mlp.json" > "$out/mlp.txt" 2>&1; echo "mlp rc=$?"
   timeout 100 python bench_classifier.py --shapes=12288x768x50304 --rounds=3 --out "$out/classifier.json" \
     > "$out/classifier.txt" 2>&1; echo "classifier rc=$?"
 fi

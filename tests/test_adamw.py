@@ -189,3 +189,49 @@ def test_model_picks_it_on_gpus_only():
     opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), DEVICE)
     assert isinstance(opt, FusedAdamW) == (DEVICE == "cuda")
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_a_failing_kernel_falls_back_once(monkeypatch):
+    """A kernel that does not compile or launch costs speed, never the run: one FallbackWarning, then PyTorch's fused
+    AdamW on the same state, which keeps to the float64 rule."""
+    from fused_ops import adamw
+    from fused_ops.backends import FallbackWarning
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no such instruction")
+            return launch
+
+    monkeypatch.setattr(adamw, "adamw_kernel", Broken())
+    monkeypatch.setattr(adamw, "FAILURE", None)
+    params, grads = make(8)
+    ref = reference_adamw(params, grads, decays=[True, True, False, False], grad_scale=2.0, **HYPER)
+    with pytest.warns(FallbackWarning, match="PyTorch's fused AdamW") as caught:
+        ours, opt = run(FusedAdamW, params, grads, grad_scale=2.0)
+    assert len([w for w in caught if issubclass(w.category, FallbackWarning)]) == 1
+    assert float(opt.state[opt.param_groups[0]["params"][0]]["step"]) == 3.0  # counted once a step
+    theirs, _ = run(torch.optim.AdamW, params, [[g / 2.0 for g in step] for step in grads], foreach=False)
+    for o, t, r, p in zip(ours, theirs, ref, params):
+        assert rel_err(o - p, r - p.double()) <= 2 * rel_err(t - p, r - p.double()) + EPS[torch.float32]
+
+
+def test_loss_scaler_path():
+    """fp16 training's GradScaler unscales the gradients itself and skips steps with infs: FusedAdamW takes no
+    grad_scale then, and ends where torch.optim.AdamW does."""
+    from helpers import runtime
+    params, grads = make(9)
+    runs = []
+    for cls in (FusedAdamW, torch.optim.AdamW):
+        ps = [p.clone().requires_grad_() for p in params]
+        opt = cls(ps, **HYPER)
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0 ** 4)
+        for k, step in enumerate(grads):
+            scaler.scale(torch.ones((), device=DEVICE))  # (as a loss would be: the scaler's scale comes to exist)
+            for p, g in zip(ps, step):
+                p.grad = g.clone() * scaler.get_scale() * (float("inf") if k == 1 and p is ps[0] else 1.0)
+            runtime.clip_and_step(opt, ps, 1.0, scaler)
+        runs.append([p.detach() for p in ps])
+    assert all(torch.isfinite(p).all() for p in runs[0])  # the step with an inf was skipped
+    for o, t in zip(*runs):
+        torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-6)

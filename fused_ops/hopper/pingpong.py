@@ -49,6 +49,7 @@ import warnings
 import torch
 
 from .. import env, matmul
+from ..backends import FallbackWarning
 from ..activations import activation, activation_grad, gelu_and_grad_16bit, silu_and_grad
 from ..casts import quantize
 from ..matmul import split_columns, tile_ids
@@ -602,10 +603,6 @@ def _run(args, consts, tiles, device):
         compiled[grid](*args, *consts.values())
     else:
         _compiled[key] = pingpong_kernel[grid](*args, **consts, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
-
-
-class FallbackWarning(RuntimeWarning):
-    """The ping-pong kernel failed to compile or launch; the portable kernels (Triton's, cuBLAS's) run instead."""
 
 
 FAILURE = None  # the exception that turned the ping-pong kernel off for this process, if one did
