@@ -32,6 +32,7 @@ every other element is untouched by it.
 """
 
 import contextlib
+import math
 import warnings
 
 import torch
@@ -40,6 +41,7 @@ import triton.language as tl
 
 from . import env
 from .backends import FallbackWarning
+from .tuning import LaunchPlan
 
 BLOCK = 1024  # elements a program updates (8 a thread, two 16-byte vectors): the fastest of those tried (results/glue/)
 NUM_WARPS = 4
@@ -101,32 +103,50 @@ def kernel_can_run(t):
 
 
 class _Plan:
-    """One group's launch: its table of addresses and numels on the device, and its per-program block map."""
+    """One group's launch, for one set of parameters with gradients: their states, the per-program block map, the
+    device table of addresses and numels (copied anew only when an address changed), the kept compiled kernels."""
 
     def __init__(self, params, states):
         self.device = params[0].device
-        self.numels = tuple(p.numel() for p in params)
+        self.params = params
+        self.exp_avgs, self.exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        self.steps = [s["step"] for s in states]
+        self.numels = [p.numel() for p in params]
         self.block, self.num_warps = BLOCK, NUM_WARPS
         blocks = [triton.cdiv(n, self.block) for n in self.numels]
         self.n_blocks = sum(blocks)
         self.block_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
                                                     torch.tensor(blocks)).to(self.device)
         self.block_index = torch.cat([torch.arange(b, dtype=torch.int32) for b in blocks]).to(self.device)
-        self.static = [[s[k].data_ptr() for s in states] for k in ("exp_avg", "exp_avg_sq", "step")]
-        self.params = [p.data_ptr() for p in params]
-        self.grads, self.table = None, None
+        self.static = [[t.data_ptr() for t in ts] for ts in (self.exp_avgs, self.exp_avg_sqs, self.steps)]
+        self.addresses, self.table, self.aligned, self.launches = None, None, False, {}
 
     def table_for(self, grads):
-        """The device table for these gradients; copied anew only when one of their addresses changed."""
-        addresses = [g.data_ptr() for g in grads]
-        if addresses != self.grads:
-            rows = torch.tensor([self.params, addresses, *self.static, list(self.numels)], dtype=torch.int64)
+        """The device table for these gradients (and the parameters as they are now)."""
+        addresses = [t.data_ptr() for t in (*self.params, *grads)]
+        if addresses != self.addresses:
+            n = len(self.params)
+            rows = torch.tensor([addresses[:n], addresses[n:], *self.static, self.numels], dtype=torch.int64)
             if self.device.type == "cuda":  # (the caching host allocator keeps the pinned copy until the copy is done)
                 rows = rows.pin_memory().to(self.device, non_blocking=True)
-            self.grads, self.table = addresses, rows
-            self.aligned = all(a % 16 == 0 for a in (*self.params, *addresses, *self.static[0], *self.static[1])) \
+            self.addresses, self.table = addresses, rows
+            self.aligned = all(a % 16 == 0 for a in (*addresses, *self.static[0], *self.static[1])) \
                 and all(n % 4 == 0 for n in self.numels)
         return self.table
+
+    def launch(self, grads, group, grad_scale):
+        table = self.table_for(grads)
+        consts = {"HAS_SCALE": grad_scale is not None, "ALIGNED": self.aligned, "BLOCK": self.block}
+        key = (consts["HAS_SCALE"], consts["ALIGNED"])
+        if key not in self.launches:  # (direct launches of the compiled kernel: tuning.LaunchPlan)
+            self.launches[key] = LaunchPlan(adamw_kernel, triton.Config({}, num_warps=self.num_warps, num_stages=1),
+                                            consts)
+        beta1, beta2 = group["betas"]
+        args = [table, self.block_tensor, self.block_index, len(self.params), float(group["lr"]), beta1, beta2,
+                group["eps"], group["weight_decay"], _log2(beta1), _log2(beta2),
+                grad_scale if grad_scale is not None else table]
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            self.launches[key].launch_grid((self.n_blocks,), args)
 
 
 class FusedAdamW(torch.optim.AdamW):
@@ -164,35 +184,22 @@ class FusedAdamW(torch.optim.AdamW):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            states = [self._state_of(p) for p in params]
+            key = (i, tuple(map(id, params)))  # (host time: a plan a set of parameters, kept)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = _Plan(params, [self._state_of(p) for p in params])
             grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1.0)  # (PyTorch's fused AdamW, below, also takes them counted)
+            torch._foreach_add_(plan.steps, 1.0)  # (PyTorch's fused AdamW, below, also takes them counted)
             if FAILURE is None:
                 try:
-                    self._launch(i, group, params, states, grads, grad_scale)
+                    plan.launch(grads, group, grad_scale)
                     continue
                 except Exception as error:  # (compile or launch: a Triton that moved, a GPU it does not fit)
                     _fails(error)
-            torch._fused_adamw_(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-                                steps, lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
-                                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-                                grad_scale=grad_scale)
+            torch._fused_adamw_(params, grads, plan.exp_avgs, plan.exp_avg_sqs, [], plan.steps, lr=float(group["lr"]),
+                                beta1=group["betas"][0], beta2=group["betas"][1], weight_decay=group["weight_decay"],
+                                eps=group["eps"], amsgrad=False, maximize=False, grad_scale=grad_scale)
         return loss
-
-    def _launch(self, i, group, params, states, grads, grad_scale):
-        key = (i, tuple(p.data_ptr() for p in params))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _Plan(params, states)
-        table = plan.table_for(grads)
-        beta1, beta2 = group["betas"]
-        with torch.cuda.device(plan.device) if plan.device.type == "cuda" else contextlib.nullcontext():
-            adamw_kernel[(plan.n_blocks,)](
-                table, plan.block_tensor, plan.block_index, len(params), float(group["lr"]), beta1, beta2,
-                group["eps"], group["weight_decay"], _log2(beta1), _log2(beta2),
-                grad_scale if grad_scale is not None else table, HAS_SCALE=grad_scale is not None,
-                ALIGNED=plan.aligned, BLOCK=plan.block, num_warps=plan.num_warps)
 
     def _state_of(self, p):
         state = self.state[p]
@@ -215,4 +222,4 @@ def _fails(error):
 
 def _log2(beta):
     """log2(β) for the kernel's β^t = exp2(t·log2 β); β = 0 gives -inf (β^t = 0 for t >= 1)."""
-    return float(torch.tensor(beta, dtype=torch.float64).log2())
+    return math.log2(beta) if beta > 0 else -math.inf
