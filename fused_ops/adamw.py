@@ -103,14 +103,11 @@ def kernel_can_run(t):
 
 
 class _Plan:
-    """One group's launch, for one set of parameters with gradients: their states, the per-program block map, the
-    device table of addresses and numels (copied anew only when an address changed), the kept compiled kernels."""
+    """One group's launch, for one set of parameters with gradients: the per-program block map, the device table of
+    every tensor's address and numel (copied anew only when an address changed), the kept compiled kernels."""
 
-    def __init__(self, params, states):
+    def __init__(self, params):
         self.device = params[0].device
-        self.params = params
-        self.exp_avgs, self.exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-        self.steps = [s["step"] for s in states]
         self.numels = [p.numel() for p in params]
         self.block, self.num_warps = BLOCK, NUM_WARPS
         blocks = [triton.cdiv(n, self.block) for n in self.numels]
@@ -118,31 +115,39 @@ class _Plan:
         self.block_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),
                                                     torch.tensor(blocks)).to(self.device)
         self.block_index = torch.cat([torch.arange(b, dtype=torch.int32) for b in blocks]).to(self.device)
-        self.static = [[t.data_ptr() for t in ts] for ts in (self.exp_avgs, self.exp_avg_sqs, self.steps)]
         self.addresses, self.table, self.aligned, self.launches = None, None, False, {}
 
-    def table_for(self, grads):
-        """The device table for these gradients (and the parameters as they are now)."""
-        addresses = [t.data_ptr() for t in (*self.params, *grads)]
+    def table_for(self, params, grads, exp_avgs, exp_avg_sqs, steps):
+        """The device table for these tensors. Rebuilt when any address changed (a gradient reallocated, a parameter's
+        .data replaced, a state loaded), after checking that each tensor still is what the kernel reads: fp32, on the
+        plan's GPU, of its parameter's numel (else the kernel would read or write past a tensor)."""
+        columns = (params, grads, exp_avgs, exp_avg_sqs, steps)
+        addresses = [t.data_ptr() for ts in columns for t in ts]
         if addresses != self.addresses:
-            n = len(self.params)
-            rows = torch.tensor([addresses[:n], addresses[n:], *self.static, self.numels], dtype=torch.int64)
+            for k, (p, g, m, v, t) in enumerate(zip(*columns)):
+                for name, x, n in (("param", p, self.numels[k]), ("grad", g, self.numels[k]), ("exp_avg", m, p.numel()),
+                                   ("exp_avg_sq", v, p.numel()), ("step", t, 1)):
+                    if x.dtype != torch.float32 or x.device != self.device or x.numel() != n or not x.is_contiguous():
+                        raise ValueError(f"FusedAdamW: a parameter's {name} is now {x.dtype} {tuple(x.shape)} on "
+                                         f"{x.device}; the step expects contiguous float32 of {n} elements on "
+                                         f"{self.device} (was the model converted or moved after the optimizer was "
+                                         "made? make the optimizer after)")
+            n = len(params)
+            rows = torch.tensor([addresses[i * n:(i + 1) * n] for i in range(5)] + [self.numels], dtype=torch.int64)
             if self.device.type == "cuda":  # (the caching host allocator keeps the pinned copy until the copy is done)
                 rows = rows.pin_memory().to(self.device, non_blocking=True)
             self.addresses, self.table = addresses, rows
-            self.aligned = all(a % 16 == 0 for a in (*addresses, *self.static[0], *self.static[1])) \
-                and all(n % 4 == 0 for n in self.numels)
+            self.aligned = all(a % 16 == 0 for a in addresses[:4 * n]) and all(m % 4 == 0 for m in self.numels)
         return self.table
 
-    def launch(self, grads, group, grad_scale):
-        table = self.table_for(grads)
+    def launch(self, table, group, grad_scale):
         consts = {"HAS_SCALE": grad_scale is not None, "ALIGNED": self.aligned, "BLOCK": self.block}
         key = (consts["HAS_SCALE"], consts["ALIGNED"])
         if key not in self.launches:  # (direct launches of the compiled kernel: tuning.LaunchPlan)
             self.launches[key] = LaunchPlan(adamw_kernel, triton.Config({}, num_warps=self.num_warps, num_stages=1),
                                             consts)
         beta1, beta2 = group["betas"]
-        args = [table, self.block_tensor, self.block_index, len(self.params), float(group["lr"]), beta1, beta2,
+        args = [table, self.block_tensor, self.block_index, len(self.numels), float(group["lr"]), beta1, beta2,
                 group["eps"], group["weight_decay"], _log2(beta1), _log2(beta2),
                 grad_scale if grad_scale is not None else table]
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
@@ -151,20 +156,31 @@ class _Plan:
 
 class FusedAdamW(torch.optim.AdamW):
     """torch.optim.AdamW whose step is one Triton launch a parameter group (see the module docstring), for dense fp32
-    parameters on a GPU. The same hyperparameters, state and state_dict as torch.optim.AdamW (no amsgrad, maximize,
-    capturable or differentiable). `grad_scale`, a tensor set on the optimizer before step() (clip_and_step in
+    parameters on one GPU. The same hyperparameters, state and state_dict as torch.optim.AdamW (no amsgrad, maximize,
+    capturable or differentiable): its checkpoints say fused=True, the layout of their state, so that PyTorch's
+    AdamW continues them fused. `grad_scale`, a tensor set on the optimizer before step() (clip_and_step in
     helpers/runtime.py sets it), divides every gradient in the same pass: the clipping costs no pass of its own."""
 
     folds_grad_scale = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        # (fused=False for PyTorch's constructor: fused=True would have GradScaler hand step() its found_inf)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
         for group in self.param_groups:
             for p in group["params"]:
                 if not kernel_can_run(p):
                     raise TypeError(f"FusedAdamW: params must be contiguous float32 tensors on a CUDA device; one is "
                                     f"{p.dtype} of shape {tuple(p.shape)} on {p.device}: use torch.optim.AdamW")
+            if len({p.device for p in group["params"]}) > 1:
+                raise TypeError("FusedAdamW: a parameter group's params must be on one device; this one spans "
+                                f"{sorted(str(d) for d in {p.device for p in group['params']})}")
         self._plans = {}
+
+    def state_dict(self):
+        state = super().state_dict()
+        for group in state["param_groups"]:
+            group["fused"], group["foreach"] = True, None
+        return state
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
@@ -187,16 +203,20 @@ class FusedAdamW(torch.optim.AdamW):
             key = (i, tuple(map(id, params)))  # (host time: a plan a set of parameters, kept)
             plan = self._plans.get(key)
             if plan is None:
-                plan = self._plans[key] = _Plan(params, [self._state_of(p) for p in params])
+                plan = self._plans[key] = _Plan(params)
+            states = [self._state_of(p) for p in params]
             grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
-            torch._foreach_add_(plan.steps, 1.0)  # (PyTorch's fused AdamW, below, also takes them counted)
+            exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            steps = [s["step"] for s in states]
+            table = plan.table_for(params, grads, exp_avgs, exp_avg_sqs, steps)  # (raises if a tensor changed kind)
+            torch._foreach_add_(steps, 1.0)  # (PyTorch's fused AdamW, below, also takes them counted)
             if FAILURE is None:
                 try:
-                    plan.launch(grads, group, grad_scale)
+                    plan.launch(table, group, grad_scale)
                     continue
                 except Exception as error:  # (compile or launch: a Triton that moved, a GPU it does not fit)
                     _fails(error)
-            torch._fused_adamw_(params, grads, plan.exp_avgs, plan.exp_avg_sqs, [], plan.steps, lr=float(group["lr"]),
+            torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=float(group["lr"]),
                                 beta1=group["betas"][0], beta2=group["betas"][1], weight_decay=group["weight_decay"],
                                 eps=group["eps"], amsgrad=False, maximize=False, grad_scale=grad_scale)
         return loss

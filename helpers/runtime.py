@@ -152,7 +152,8 @@ def clip_and_step(optimizer, parameters, max_norm, scaler):
     nanoGPT: unscale, clip_grad_norm_, step."""
     parameters = [p for p in parameters if p.grad is not None]
     fused = getattr(optimizer, "folds_grad_scale", False) or (  # fused_ops.FusedAdamW, or PyTorch's fused AdamW
-        isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)) and optimizer.defaults.get("fused"))
+        isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam))  # (each group: a resumed one keeps the saved flag)
+        and all(group.get("fused") for group in optimizer.param_groups))
     if max_norm > 0 and fused and not scaler.is_enabled():
         norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
         optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # 1 / clip_grad_norm_'s factor

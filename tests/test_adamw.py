@@ -3,6 +3,7 @@ GPU against torch's fused AdamW too. The repo's rule: the fused error at most tw
 (plus a tiny epsilon). Also the clipping's grad_scale, special values, reallocated gradients, and state_dicts
 that move between FusedAdamW and torch.optim.AdamW."""
 
+import copy
 import math
 
 import pytest
@@ -12,6 +13,8 @@ from fused_ops.adamw import BLOCK, FusedAdamW
 from fused_ops.numerics import EPS, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# A kernel that fails would fall back to PyTorch's fused AdamW and pass most tests: here that is an error.
+pytestmark = pytest.mark.filterwarnings("error::fused_ops.backends.FallbackWarning")
 SIZES = [(1,), (7, 3), (BLOCK + 5,), (33, 129)]  # one element, odd shapes, a tensor of two blocks with a tail
 ALIGNED_SIZES = [(4,), (64, 12), (BLOCK + 4,), (8, 96)]  # numels of whole 16 bytes: the kernel's vector-load path
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -235,3 +238,63 @@ def test_loss_scaler_path():
     assert all(torch.isfinite(p).all() for p in runs[0])  # the step with an inf was skipped
     for o, t in zip(*runs):
         torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-6)
+
+
+def test_a_reloaded_state_is_the_one_updated():
+    """load_state_dict into an optimizer that has stepped (its launch plan and address table built): the next step
+    updates the loaded moments, not the ones it had."""
+    params, grads = make(10)
+    ps = [p.clone().requires_grad_() for p in params]
+    opt = FusedAdamW(ps, **HYPER)
+    for p, g in zip(ps, grads[0]):
+        p.grad = g.clone()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    start = [p.detach().clone() for p in ps]
+    for p, g in zip(ps, grads[1]):
+        p.grad = g.clone()
+    opt.step()  # (moves the old moments on)
+    opt.load_state_dict(copy.deepcopy(saved))  # (a loaded state may share the dict's tensors: one copy each)
+    with torch.no_grad():
+        for p, p0 in zip(ps, start):
+            p.copy_(p0)
+    fresh = [p0.clone().requires_grad_() for p0 in start]
+    other = FusedAdamW(fresh, **HYPER)
+    other.load_state_dict(copy.deepcopy(saved))
+    for a, b, g in zip(ps, fresh, grads[2]):
+        a.grad, b.grad = g.clone(), g.clone()
+    opt.step()
+    other.step()
+    for a, b in zip(ps, fresh):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_a_parameter_replaced_after_the_optimizer_is_named():
+    """p.data swapped for a smaller tensor would send the kernel past its end: a clear error instead."""
+    params, grads = make(11)
+    ps = [p.clone().requires_grad_() for p in params]
+    opt = FusedAdamW(ps, **HYPER)
+    for p, g in zip(ps, grads[0]):
+        p.grad = g.clone()
+    opt.step()
+    ps[2].data = torch.zeros(5, device=DEVICE)
+    ps[2].grad = torch.zeros(5, device=DEVICE)
+    with pytest.raises(ValueError, match="make the optimizer after"):
+        opt.step()
+
+
+def test_its_checkpoint_continues_in_pytorchs_fused_adamw_with_clipping():
+    """A FusedAdamW checkpoint says fused=True (its state's layout): PyTorch's AdamW resumes it fused, and the
+    clip's grad_scale goes where that optimizer takes it."""
+    from helpers import runtime
+    params, grads = make(12)
+    ps, opt = run(FusedAdamW, params, grads[:2])
+    assert all(g["fused"] for g in opt.state_dict()["param_groups"])
+    ps = [p.clone().requires_grad_() for p in ps]
+    groups = [{"params": ps[:2], "weight_decay": HYPER["weight_decay"]}, {"params": ps[2:], "weight_decay": 0.0}]
+    resumed = torch.optim.AdamW(groups, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], fused=True)
+    resumed.load_state_dict(opt.state_dict())
+    for p, g in zip(ps, grads[2]):
+        p.grad = g.clone()
+    runtime.clip_and_step(resumed, ps, 1.0, torch.amp.GradScaler(DEVICE, enabled=False))
+    assert all(torch.isfinite(p).all() for p in ps)
