@@ -240,15 +240,21 @@ def test_loss_scaler_path():
         torch.testing.assert_close(o, t, rtol=1e-4, atol=1e-6)
 
 
-def test_a_reloaded_state_is_the_one_updated():
-    """load_state_dict into an optimizer that has stepped (its launch plan and address table built): the next step
-    updates the loaded moments, not the ones it had."""
-    params, grads = make(10)
+def stepped_once(seed):
+    """(parameters, the gradients of three steps, a FusedAdamW that has taken the first step: its plan is built)."""
+    params, grads = make(seed)
     ps = [p.clone().requires_grad_() for p in params]
     opt = FusedAdamW(ps, **HYPER)
     for p, g in zip(ps, grads[0]):
         p.grad = g.clone()
     opt.step()
+    return ps, grads, opt
+
+
+def test_a_reloaded_state_is_the_one_updated():
+    """load_state_dict into an optimizer that has stepped (its launch plan and address table built): the next step
+    updates the loaded moments, not the ones it had."""
+    ps, grads, opt = stepped_once(10)
     saved = copy.deepcopy(opt.state_dict())
     start = [p.detach().clone() for p in ps]
     for p, g in zip(ps, grads[1]):
@@ -271,12 +277,7 @@ def test_a_reloaded_state_is_the_one_updated():
 
 def test_a_parameter_replaced_after_the_optimizer_is_named():
     """p.data swapped for a smaller tensor would send the kernel past its end: a clear error instead."""
-    params, grads = make(11)
-    ps = [p.clone().requires_grad_() for p in params]
-    opt = FusedAdamW(ps, **HYPER)
-    for p, g in zip(ps, grads[0]):
-        p.grad = g.clone()
-    opt.step()
+    ps, grads, opt = stepped_once(11)
     ps[2].data = torch.zeros(5, device=DEVICE)
     ps[2].grad = torch.zeros(5, device=DEVICE)
     with pytest.raises(ValueError, match="make the optimizer after"):
