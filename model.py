@@ -363,7 +363,8 @@ class GPT(nn.Module):
         ]
         # On a GPU, fused_ops' AdamW: one launch a group, at the memory's rate (fused_ops/adamw.py); else PyTorch's.
         fused_ops = import_fused_ops(required=False) if device_type == "cuda" else None
-        if fused_ops is not None and fused_ops.env.ADAMW and all(fused_ops.adamw.kernel_can_run(p) for p in params):
+        if (fused_ops is not None and fused_ops.env.ADAMW and len({p.device for p in params}) == 1
+                and all(fused_ops.adamw.kernel_can_run(p) for p in params)):
             return fused_ops.FusedAdamW(groups, lr=learning_rate, betas=betas)
         use_fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if use_fused else {}))
