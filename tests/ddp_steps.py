@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import train
+from fused_ops.adamw import FusedAdamW
 from helpers import runtime, stopping
 from model import GPT, GPTConfig
 from tests import fast_interpreter
@@ -98,9 +99,10 @@ def run_steps(rank, world, device, compile, accum, mlp, fp8, dtype):
     else:
         model = runtime.wrap_model(raw, compile, world, device_type, bucket_cap_mb=1)  # several buckets (1 MB: the least DDPOptimizer takes)
     optimizer = raw.configure_optimizers(0.1, 0.0, (0.9, 0.95), device_type)
-    if device_type == "cpu":  # fused AdamW here too (as on GPUs), so that the clipped steps below take its grad_scale
-        optimizer = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]}
-                                       for g in optimizer.param_groups], lr=0.0, betas=(0.9, 0.95), fused=True)
+    if device_type == "cpu":  # the GPUs' optimizer here too (FusedAdamW, through the interpreter): the clipped steps
+        # below hand it grad_scale, and under DDP its gradients are views of the buckets
+        optimizer = FusedAdamW([{"params": g["params"], "weight_decay": g["weight_decay"]}
+                                for g in optimizer.param_groups], lr=0.0, betas=(0.9, 0.95))
     scaler = torch.amp.GradScaler(device_type, enabled=False)
     autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     cfg = {"compile": compile, "grad_clip": 0.0}
