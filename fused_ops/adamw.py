@@ -16,8 +16,8 @@ chunks in its kernel arguments, so a model's parameters go out in many launches 
 finds its own tensor instead: the launcher builds, once per group, a table of every tensor's addresses (parameter,
 gradient, both moments, step count) and numel, plus, per program, which tensor and which BLOCK of it is its own.
 One launch then covers the group, every program a full block but the last of each tensor; the programs cast the
-table's integers to pointers (tl.pointer_type). Addresses change only when a gradient is reallocated, so the table
-is copied to the GPU (asynchronously, from pinned memory) only then.
+table's integers to pointers (tl.pointer_type). Addresses change when a gradient is reallocated (or a parameter or
+state replaced), and only then is the table checked and copied to the GPU again (asynchronously, from pinned memory).
 
 The step counts live on the device, one float32 per parameter as in PyTorch's fused AdamW (so checkpoints are
 interchangeable with torch.optim.AdamW, fused or not): one _foreach_add_ increments them, and each program computes
@@ -25,7 +25,8 @@ its bias corrections from its tensor's count. The gradients are only read: where
 the unclipped values (PyTorch's fused AdamW writes the divided ones back, 4 more bytes a parameter).
 
 A kernel that fails to compile or launch (a Triton that moved, a GPU it does not fit) warns once (FallbackWarning)
-and PyTorch's fused AdamW, which keeps the same state, takes over for the rest of the process.
+and PyTorch's fused AdamW, which keeps the same state, takes over for the rest of the process (it leaves .grad
+divided by grad_scale).
 
 Special values follow the arithmetic: a NaN or infinite gradient makes its element's p, m and v NaN (inf/inf), and
 every other element is untouched by it.
@@ -51,8 +52,8 @@ FAILURE = None  # the exception that turned the kernel off for this process, if 
 @triton.jit
 def _pointer(address_ptr, ALIGNED: tl.constexpr):
     """The fp32 pointer whose address the table holds. A pointer made from an integer carries no alignment, so its
-    loads would be 4 bytes wide (2.7 ms a step at GPT-2 small's size against 0.95 with 16-byte ones: results/glue/);
-    where the launcher found every address 16-byte aligned and every numel a multiple of 4, the kernel is told so."""
+    loads would be 4 bytes wide (about 3x the time at GPT-2 small's size: results/glue/); where the launcher found
+    every address 16-byte aligned and every numel a multiple of 4, the kernel is told so."""
     ptr = tl.load(address_ptr).to(tl.pointer_type(tl.float32))
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
