@@ -343,16 +343,19 @@ class GPT(nn.Module):
 
         hf_gpt2.save_pretrained(self, folder, meta)
 
-    def precompile_kernels(self, tokens, autocast_dtype, device):
-        """Start compiling the fused MLP's kernels for batches of `tokens` rows, in a child process, so that a cold
-        Triton cache costs the run less start-up (fused_ops/precompile.py). None where there is nothing to compile."""
-        block = self.transformer.h[0]  # every block's MLP has the same shapes
-        mlp = block.mlp
-        if mlp.kind == "eager" or mlp.fp8 is not None or not str(device).startswith("cuda"):
+    def precompile_kernels(self, batch_size, autocast_dtype, device, grad_clip=0.0):
+        """Start compiling the fused kernels a run of this model launches (its MLP's, FP8 linears', classifier's,
+        FusedAdamW's) for batches of batch_size x block_size tokens, in a child process (compile_kernels below), so
+        that a cold Triton cache costs the run less start-up (fused_ops/precompile.py). None where nothing is fused
+        or not on a GPU."""
+        fused = self.transformer.h[0].mlp.kind != "eager" or self.config.classifier != "eager"
+        if not fused or not str(device).startswith("cuda"):
             return None
         from fused_ops import precompile
-        spec = precompile.mlp_spec(mlp.c_fc, mlp.c_proj, mlp.activation, block.ln_2, mlp.fuse_ln, tokens, autocast_dtype)
-        return precompile.start(spec, device)
+        spec = {"config": {**vars(self.config), "n_layer": 1}, "batch_size": int(batch_size),
+                "autocast": None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch."),
+                "grad_clip": grad_clip > 0}
+        return precompile.start("model:compile_kernels", spec, device)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         # Decay matrices and embeddings; never biases or LayerNorm gains (the 1-D parameters).
@@ -406,3 +409,26 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
         return idx
+
+
+def compile_kernels(spec, device):
+    """The precompile child's work (GPT.precompile_kernels): a one-block copy of the model (every block launches the
+    same kernels) on random tokens, through what a run does: an evaluation forward (no_grad), then two training
+    steps (an FP8 model calibrates in the first), each with its optimizer's step (grad_scale as the clip hands it)."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(**spec["config"])).to(device)
+    device_type = torch.device(device).type
+    optimizer = gpt.configure_optimizers(0.0, 1e-5, (0.9, 0.95), device_type)
+    idx = torch.randint(0, gpt.config.vocab_size, (spec["batch_size"], gpt.config.block_size), device=device)
+    dtype = getattr(torch, spec["autocast"] or "float32")
+    with torch.autocast(device_type, dtype=dtype, enabled=spec["autocast"] is not None):
+        with torch.no_grad():
+            gpt.eval()(idx, idx)
+        gpt.train()
+        for _ in range(2):
+            gpt(idx, idx)[1].backward()
+            if spec["grad_clip"] and getattr(optimizer, "folds_grad_scale", False):
+                optimizer.grad_scale = torch.ones((), device=device)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return gpt

@@ -91,9 +91,9 @@ def train(cfg, ckpt, argv, device, rank, world):
     # model and optimizer
     with timer.phase("model"):
         raw_model, model_args = build_model(cfg, ckpt, meta, data_dir)
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # the fused MLP's kernels compile meanwhile (one per machine)
-            raw_model.precompile_kernels(cfg["batch_size"] * cfg["block_size"],
-                                         None if dtype == "float32" else runtime.DTYPES[dtype], device)
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # the fused kernels compile meanwhile (one child per machine)
+            raw_model.precompile_kernels(cfg["batch_size"], None if dtype == "float32" else runtime.DTYPES[dtype],
+                                         device, cfg["grad_clip"])
         raw_model.to(device)
         optimizer = raw_model.configure_optimizers(cfg["weight_decay"], cfg["learning_rate"],
                                                    (cfg["beta1"], cfg["beta2"]), device_type)

@@ -37,7 +37,7 @@ Then, above the core:
     a plain linear in FP8 (fp8_reach="blocks": the attention's projections).
 15. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
     shape, so its dozen launches cost one (FUSED_OPS_GRAPHS=0 turns them off: they keep memory).
-16. precompile.py: with a cold Triton cache, a child process compiles the MLP's kernels while the run starts up
+16. precompile.py: with a cold Triton cache, a child process compiles the fused kernels while the run starts up
     (FUSED_OPS_PRECOMPILE=0 turns it off).
 17. layers.py: the runners model.MLP picks once (FusedMLP, FP8MLP, AutoMLP), which own the CUDA graphs.
 """

@@ -13,7 +13,7 @@ A few are frozen into compile-time constants at import (the interpreter's: activ
 | FUSED_OPS_TUNING_CACHE  | ~/.cache/fused_ops/tuning.json    | TUNING_CACHE   | file of the tuned tile choices (tuning.py); 0 keeps none                                   |
 | FUSED_OPS_PINGPONG      | 1                                 | PINGPONG       | Hopper's Gluon ping-pong kernels (hopper/); 0 leaves everything to Triton's and cuBLAS's   |
 | FUSED_OPS_GRAPHS        | 1                                 | GRAPHS         | per-shape CUDA graphs of the uncompiled fused MLP (graphs.py); 0 off                        |
-| FUSED_OPS_PRECOMPILE    | 1                                 | PRECOMPILE     | compile the MLP's kernels in a child process at start-up (precompile.py); 0 off            |
+| FUSED_OPS_PRECOMPILE    | 1                                 | PRECOMPILE     | compile the fused kernels in a child process at start-up (precompile.py); 0 off            |
 | FUSED_OPS_PERSISTENT    | 1                                 | PERSISTENT     | persistent-grid tile configs among the tuning candidates (tuning.py); 0 leaves them out   |
 | FUSED_OPS_ADAMW         | 1                                 | ADAMW          | model.configure_optimizers' AdamW: adamw.py's one-launch kernel on CUDA; 0 PyTorch's fused |
 

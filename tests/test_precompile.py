@@ -1,4 +1,5 @@
-"""fused_ops/precompile.py: a child process compiles the fused MLP's kernels while a run starts up."""
+"""fused_ops/precompile.py: a child process compiles the fused kernels while a run starts up (model.compile_kernels,
+the child's work: a one-block copy of the model through an evaluation and two training steps)."""
 
 import json
 import os
@@ -9,97 +10,143 @@ import pytest
 import torch
 
 import fused_ops
+import model
 from fused_ops import precompile
 from model import GPT, GPTConfig
 
-SMALL = dict(n_layer=1, n_head=2, n_embd=32, block_size=8, vocab_size=64, dropout=0.0)
-SPEC = {"C": 16, "N": 32, "H": 32, "bias": True, "activation": "gelu", "dtype": "float32", "layer_norm": True,
-        "ln_bias": True, "fuse_ln": False, "tokens": 24, "autocast": None}  # a small MLP for the child
+SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=8, vocab_size=64, dropout=0.0)
 
 
 def kernels_run_here():
     return fused_ops.kernels_can_run(torch.empty(0))
 
 
-@pytest.mark.parametrize("fuse_ln,activation,bias", [(False, "gelu", False), (True, "swiglu", True)])
-def test_the_spec_describes_the_model_mlp(fuse_ln, activation, bias):
-    model = GPT(GPTConfig(**SMALL, mlp="fused", fuse_ln=fuse_ln, activation=activation, bias=bias))
-    block = model.transformer.h[0]
-    spec = precompile.mlp_spec(block.mlp.c_fc, block.mlp.c_proj, activation, block.ln_2, fuse_ln, 96, torch.bfloat16)
-    assert spec == {"C": 32, "N": block.mlp.c_fc.out_features, "H": block.mlp.c_proj.in_features, "bias": bias,
-                    "activation": activation, "dtype": "float32", "layer_norm": True, "ln_bias": bias,
-                    "fuse_ln": fuse_ln, "tokens": 96, "autocast": "bfloat16"}
-    assert spec["N"] == (2 if activation == "swiglu" else 1) * spec["H"]
-    json.dumps(spec)  # it travels to the child as JSON
-
-
-def test_only_a_fused_mlp_on_a_gpu_starts_a_child(monkeypatch):
+def spec_of(monkeypatch, config, device="cuda:1", batch_size=3, autocast=torch.bfloat16, grad_clip=1.0):
+    """The spec GPT.precompile_kernels hands precompile.start (None where it starts no child)."""
     started = []
-    monkeypatch.setattr(precompile, "start", lambda spec, device: started.append((spec, device)) or "child")
-    for mlp, device in (("eager", "cuda"), ("fused", "cpu")):
-        assert GPT(GPTConfig(**SMALL, mlp=mlp)).precompile_kernels(16, torch.bfloat16, device) is None
-    assert GPT(GPTConfig(**SMALL, mlp="fused")).precompile_kernels(16, None, "cuda:1") == "child"
-    assert started[0][1] == "cuda:1" and started[0][0]["tokens"] == 16 and started[0][0]["autocast"] is None
+    monkeypatch.setattr(precompile, "start", lambda entry, spec, device: started.append((entry, spec, device)) or "child")
+    child = GPT(GPTConfig(**config)).precompile_kernels(batch_size, autocast, device, grad_clip)
+    assert (child is None) == (not started)
+    if started:
+        entry, spec, started_on = started[0]
+        assert entry == "model:compile_kernels" and started_on == device
+        json.dumps(spec)  # it travels to the child as JSON
+        return spec
 
 
-@pytest.mark.parametrize("fuse_ln", [False, True])
-def test_the_child_runs_the_three_kernels_paths(fuse_ln, monkeypatch):
-    """In-process (the interpreter on CPU): the no_grad forward (the kernel that saves nothing), then the forward that
-    saves dh/dz and its dgrad, each launched through fused_ops.tuning (the LayerNorm folded into both forwards with
-    fuse_ln), in that order: the kernels the run will load, not an eager fallback. The gradient is finite."""
+def test_the_spec_is_the_model_with_one_block(monkeypatch):
+    config = {**SMALL, "mlp": "fused", "activation": "swiglu", "fuse_ln": True, "classifier": "fused"}
+    spec = spec_of(monkeypatch, config)
+    assert spec == {"config": {**vars(GPTConfig(**config)), "n_layer": 1}, "batch_size": 3, "autocast": "bfloat16",
+                    "grad_clip": True}
+    assert spec_of(monkeypatch, {**SMALL, "mlp": "fused"}, autocast=None, grad_clip=0.0)["autocast"] is None
+
+
+def test_only_fused_work_on_a_gpu_starts_a_child(monkeypatch):
+    assert spec_of(monkeypatch, {**SMALL, "mlp": "eager"}) is None  # nothing of ours to compile
+    assert spec_of(monkeypatch, {**SMALL, "mlp": "fused"}, device="cpu") is None  # (the interpreter compiles nothing)
+    assert spec_of(monkeypatch, {**SMALL, "mlp": "eager", "classifier": "fused"}) is not None
+    assert spec_of(monkeypatch, {**SMALL, "mlp": "auto"}) is not None
+
+
+def recorded_launches(monkeypatch):
+    """The names of the Triton kernels launched from now on, through tuning's plans or directly (with
+    linear_act_kernel's SAVE): Triton's launch itself is recorded (the interpreter's, on CPU)."""
+    from fused_ops import classifier
+    kind = type(classifier._cross_entropy_kernel)  # (JITFunction, or the interpreter's InterpretedFunction)
+    launched, run = [], kind.run
+
+    def recording(self, *args, **kwargs):
+        name = self.fn.__name__
+        launched.append(f"{name}(SAVE={kwargs['SAVE']})" if name == "linear_act_kernel" else name)
+        return run(self, *args, **kwargs)
+    monkeypatch.setattr(kind, "run", recording)
+    return launched
+
+
+@pytest.mark.parametrize("config,wanted", [
+    (dict(mlp="fused", classifier="fused"),  # the evaluation's forward saves nothing; training's saves dh/dz
+     ["linear_act_kernel(SAVE=False)", "linear_act_kernel(SAVE=True)", "dgrad_kernel", "_cross_entropy_kernel"]),
+    (dict(mlp="fused", fuse_ln=True), ["linear_act_kernel(SAVE=False)", "linear_act_kernel(SAVE=True)",
+                                       "dgrad_kernel", "layernorm_stats_kernel", "layernorm_backward_kernel"]),
+    (dict(mlp="fused", fp8=True, fp8_reach="blocks", classifier="fp8"),
+     ["cast_transpose_kernel", "fp8_linear_act_kernel", "fp8_dgrad_kernel", "update_scales_kernel",
+      "_cross_entropy_kernel"]),
+])
+def test_the_child_runs_the_kernels_the_run_will(config, wanted, monkeypatch):
+    """In-process (the interpreter on CPU, fp16 autocast): every kernel family the model's run launches, launched
+    through fused_ops.tuning (the kernels the run will load, not an eager fallback), and a training step that moved
+    the weights."""
     if not kernels_run_here():
         pytest.skip("the kernels cannot run here")
-    from fused_ops import tuning
-    launched, launch = [], tuning._jit_launch
-
-    def recording(kernel, grid, args, constexprs, cfg):
-        name = kernel.fn.__name__
-        launched.append((name, constexprs["SAVE"], constexprs["LN_FOLD"]) if name == "linear_act_kernel" else (name,))
-        return launch(kernel, grid, args, constexprs, cfg)
-    monkeypatch.setattr(tuning, "_jit_launch", recording)
-    grad = precompile.compile_kernels({**SPEC, "fuse_ln": fuse_ln}, "cpu")
-    assert launched == [("linear_act_kernel", False, fuse_ln), ("linear_act_kernel", True, fuse_ln), ("dgrad_kernel",)]
-    assert grad.shape == (24, 16) and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    launched = recorded_launches(monkeypatch)
+    spec = {"config": {**SMALL, "n_layer": 1, "n_embd": 16, **config}, "batch_size": 2, "autocast": "float16",
+            "grad_clip": False}
+    before = GPT(GPTConfig(**spec["config"]))
+    gpt = model.compile_kernels(spec, "cpu")
+    assert set(wanted) <= set(launched), sorted(set(launched))
+    moved = [not torch.equal(a, b) for a, b in zip(before.state_dict().values(), gpt.state_dict().values())
+             if a.is_floating_point()]
+    assert any(moved) and all(torch.isfinite(p).all() for p in gpt.parameters())
 
 
 def test_the_child_process_exits_cleanly_and_is_off_by_env(monkeypatch):
     if not kernels_run_here():
         pytest.skip("the kernels cannot run here")
-    spec = {**SPEC, "N": 16, "H": 16, "bias": False, "activation": "relu", "layer_norm": False, "ln_bias": False}
-    child = precompile.start(spec, "cpu")
+    spec = {"config": {**SMALL, "n_layer": 1, "n_embd": 16, "mlp": "fused", "activation": "relu"},
+            "batch_size": 2, "autocast": None, "grad_clip": True}
+    child = precompile.start("model:compile_kernels", spec, "cpu")
     assert child.wait(timeout=300) == 0
+    bad = precompile.start("model:no_such_function", spec, "cpu")  # (a child that fails only exits non-zero)
+    assert bad.wait(timeout=300) != 0
     monkeypatch.setattr(fused_ops.env, "PRECOMPILE", False)
-    assert precompile.start(spec, "cpu") is None
+    assert precompile.start("model:compile_kernels", spec, "cpu") is None
+
+
+OURS_ONLY = ("import os, sys, pathlib\n"  # the Triton cache's files that are not Inductor's kernels
+             "print(sorted(str(p) for p in pathlib.Path(sys.argv[1]).rglob('*') if p.is_file()\n"
+             "      and not p.name.removeprefix('__grp__').startswith('triton_')))\n")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_child_compiles_what_the_run_then_loads(tmp_path):
-    """With a fresh Triton cache: after the child, a process running the model's fused MLP (compiled, as the configs
-    run it, and uncompiled) compiles no kernel of its own: Triton's cache gains no new file."""
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "FUSED_OPS_TUNING_CACHE": "0"}
-    spec = {"C": 384, "N": 1536, "H": 1536, "bias": False, "activation": "gelu", "dtype": "float32",
-            "layer_norm": True, "ln_bias": False, "fuse_ln": False, "tokens": 4096, "autocast": "bfloat16"}
+@pytest.mark.parametrize("config,compile", [
+    (dict(mlp="fused", classifier="fused"), "default"),
+    (dict(mlp="fused", fp8=True, fp8_reach="blocks", classifier="fp8"), "reduce-overhead"),
+])
+def test_the_child_compiles_what_the_run_then_loads(config, compile, tmp_path):
+    """With a fresh Triton cache: after the child, a process training the model (two blocks, compiled as the configs
+    run it, then uncompiled) with FusedAdamW compiles no kernel of ours: Triton's cache gains no file that is not
+    Inductor's."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "FUSED_OPS_TUNING_CACHE": "0",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = dict(n_layer=2, n_head=6, n_embd=384, block_size=256, vocab_size=1024, dropout=0.0, bias=False, **config)
+    spec = {"config": {**full, "n_layer": 1}, "batch_size": 16, "autocast": "bfloat16", "grad_clip": True}
     command = "import sys, fused_ops.precompile as p; p.main(*sys.argv[1:])"
-    subprocess.run([sys.executable, "-c", command, json.dumps(spec), "cuda"], env={**env, "FUSED_OPS_AUTOTUNE": "0"},
-                   cwd=root, check=True)
-    before = {p for p in (tmp_path / "triton").rglob("*") if p.is_file()}
-    assert before
-    run = ("import torch; from model import GPT, GPTConfig\n"
-           "m = GPT(GPTConfig(n_layer=1, n_head=6, n_embd=384, block_size=256, vocab_size=128, dropout=0.0, "
-           "bias=False, mlp='fused')).cuda()\n"
-           "x = torch.randint(0, 128, (16, 256), device='cuda')\n"
-           "for f in (m, torch.compile(m)):\n"
-           "    with torch.autocast('cuda', torch.bfloat16):\n"
-           "        with torch.no_grad(): f(x, x)\n"
-           "        f(x, x)[1].backward()\n"
+    subprocess.run([sys.executable, "-c", command, "model:compile_kernels", json.dumps(spec), "cuda"],
+                   env={**env, "FUSED_OPS_AUTOTUNE": "0"}, cwd=root, check=True)
+    before = subprocess.run([sys.executable, "-c", OURS_ONLY, str(tmp_path / "triton")], capture_output=True,
+                            text=True, check=True).stdout
+    assert "kernel" in before
+    run = ("import torch; from model import GPT, GPTConfig; from helpers import runtime\n"
+           f"m = GPT(GPTConfig(**{full!r})).cuda()\n"
+           "opt = m.configure_optimizers(0.1, 1e-4, (0.9, 0.95), 'cuda')\n"
+           "x = torch.randint(0, 1024, (16, 256), device='cuda')\n"
+           f"for f in (torch.compile(m, mode={compile!r}), m):\n"
+           "    for _ in range(3):\n"
+           "        torch.compiler.cudagraph_mark_step_begin()\n"
+           "        with torch.autocast('cuda', torch.bfloat16):\n"
+           "            with torch.no_grad(): m.eval(); f(x, x); m.train()\n"
+           "            loss = f(x, x)[1]\n"
+           "        loss.backward()\n"
+           "        runtime.clip_and_step(opt, m.parameters(), 1.0, torch.amp.GradScaler('cuda', enabled=False))\n"
+           "        opt.zero_grad(set_to_none=True)\n"
            "torch.cuda.synchronize()\n")
-    subprocess.run([sys.executable, "-c", run], env={**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-                                                    "FUSED_OPS_GRAPHS": "0"}, cwd=root, check=True)
-    after = {p for p in (tmp_path / "triton").rglob("*") if p.is_file()}
-    ours = ("linear_act_kernel", "dgrad_kernel", "pingpong_kernel", "layernorm_")  # (not Inductor's kernels)
-    new = sorted(str(p.relative_to(tmp_path)) for p in after - before if p.name.startswith(ours))
+    subprocess.run([sys.executable, "-c", run], env=env, cwd=root, check=True)
+    after = subprocess.run([sys.executable, "-c", OURS_ONLY, str(tmp_path / "triton")], capture_output=True,
+                           text=True, check=True).stdout
+    new = sorted(set(eval(after)) - set(eval(before)))
     assert new == [], new
 
 
