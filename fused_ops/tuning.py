@@ -227,6 +227,7 @@ class LaunchPlan:
         self.launch_grid(*_grid_and_args(self.cfg, M, N, args, descriptors))
 
     def launch_grid(self, grid, args):
+        grid = (*grid, 1, 1)[:3]  # (a compiled kernel's runner takes all three grid dimensions)
         spec = _specialization(args) if self.direct else None
         if self.direct:
             compiled = self.compiled.get(spec)
@@ -248,7 +249,7 @@ def launch(kernel, grid, args, consts, num_warps=4):
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = LaunchPlan(kernel, triton.Config({}, num_warps=num_warps, num_stages=3), consts)
-    plan.launch_grid((*grid, 1, 1)[:3], args)  # (a compiled kernel's runner takes all three grid dims)
+    plan.launch_grid(grid, args)
 
 
 def launch_matmul(kernel, M, N, K, args, consts, gated, dtype, key, descriptors=(), configs=None):

@@ -6,6 +6,8 @@ that move between FusedAdamW and torch.optim.AdamW."""
 import copy
 import math
 
+import warnings
+
 import pytest
 import torch
 
@@ -155,7 +157,12 @@ def test_gpu_against_torch_fused_adamw():
     params = [torch.randn(s, generator=gen).cuda() for s in shapes]
     grads = [[torch.randn(s, generator=gen).cuda() * 1e-2 for s in shapes] for _ in range(3)]
     ref = reference_adamw(params, grads, decays=[True, True, False, False], grad_scale=3.0, **HYPER)
-    ours, _ = run(FusedAdamW, params, grads, grad_scale=3.0)
+    from fused_ops import adamw
+    from fused_ops.backends import FallbackWarning
+    with warnings.catch_warnings():  # the kernel itself, every step (from the second: the kept compiled kernel's
+        warnings.simplefilter("error", FallbackWarning)  # direct launch), not PyTorch's fused AdamW behind a warning
+        ours, _ = run(FusedAdamW, params, grads, grad_scale=3.0)
+    assert adamw.FAILURE is None
     theirs, _ = run(torch.optim.AdamW, params, grads, grad_scale=3.0, fused=True)
     for o, t, r, p in zip(ours, theirs, ref, params):
         assert rel_err(o - p, r - p.double()) <= 2 * rel_err(t - p, r - p.double()) + EPS[torch.float32]

@@ -84,6 +84,30 @@ def test_plan_without_matching_constexprs_uses_the_jit(monkeypatch):
     assert not plan.direct and not plan.consts["EVEN_K"]
 
 
+def test_direct_launches_get_all_three_grid_dimensions(monkeypatch):
+    """A compiled kernel's runner indexes grid[0], grid[1], grid[2]: the plan hands it three dimensions whatever the
+    caller gave (FusedAdamW's one-dimensional grid once made every step after the first fall back)."""
+    monkeypatch.setattr(env, "INTERPRET", False)
+    monkeypatch.setattr(env, "DIRECT_LAUNCH", True)
+    from fused_ops.adamw import adamw_kernel
+    consts = dict(HAS_SCALE=False, ALIGNED=True, BLOCK=1024)
+    plan = tuning.LaunchPlan(adamw_kernel, tuning.triton.Config({}, num_warps=4, num_stages=1), consts)
+    assert plan.direct
+    grids = []
+
+    class Compiled:  # what the JIT returns on a GPU: runner[grid](*args, *constexprs)
+        def __getitem__(self, grid):
+            grid[0], grid[1], grid[2]
+            grids.append(grid)
+            return lambda *args: None
+    args = [torch.empty(4), 7, 1.5]
+    monkeypatch.setattr(tuning, "_jit_launch", lambda kernel, grid, a, c, cfg: Compiled()[grid] and Compiled())
+    plan.kernel = type("K", (), {"arg_names": ["a", "b", "c", *consts]})()  # (the parameter count these args fill)
+    plan.launch_grid((5,), args)  # through the JIT, then kept
+    plan.launch_grid((5,), args)  # direct
+    assert grids == [(5, 1, 1), (5, 1, 1)] and len(plan.compiled) == 1
+
+
 def test_interpreter_never_launches_directly(monkeypatch):
     monkeypatch.setattr(env, "INTERPRET", True)
     consts = dict(B_KMAJOR=False, TMA=False, INT64=False, PRECISION="ieee", ACC_DTYPE=None, GATED=False,
