@@ -103,8 +103,20 @@ def wrap_model(model, compile, world, device_type, bucket_cap_mb=BUCKET_MB):
                     gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb, **{no_sync: False})
     if compile:
         inductor_fix.apply()  # (a race in some of Inductor's LayerNorm kernels above width 1024)
+        cache_autograd_functions()
         model = torch.compile(model, mode=None if compile in (True, "default") else compile)
     return model
+
+
+def cache_autograd_functions():
+    """Let AOTAutograd's disk cache keep graphs that hold an autograd.Function (the fused classifier's, the FP8
+    layers'): by default it bypasses them, and every run with warm caches traced and partitioned the joint graph
+    again (13 s of the fastest setting's warm start against 1.5 s for eager + compile: docs/performance.md,
+    start-up). Dynamo traces each Function's forward and backward into the graph the cache key hashes, so a changed
+    Function is a cache miss, not a stale hit (tests/test_compile.py). A torch without the switch keeps its default."""
+    import torch._functorch.config as functorch_config
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def new_step(compile):

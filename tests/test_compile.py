@@ -52,3 +52,61 @@ def test_inductor_compiles_the_fused_mlp_and_aot_autograd_can_cache_it():
     assert_same_loss_and_gradients(fused, loss_c, eager, idx)
     assert counters["aot_autograd"]["autograd_cache_bypass"] == 0, dict(counters["aot_autograd"])
     assert counters["aot_autograd"]["autograd_cache_saved"] + counters["aot_autograd"]["autograd_cache_hit"] >= 1
+
+
+AUTOGRAD_FUNCTION_SETTINGS = [dict(mlp="fused", classifier="fused"),
+                              dict(mlp="fused", fp8=True, fp8_reach="blocks", classifier="fp8")]
+
+
+@pytest.mark.parametrize("config", AUTOGRAD_FUNCTION_SETTINGS)
+def test_train_py_compile_caches_graphs_with_autograd_functions(config, tmp_path, monkeypatch):
+    """The fused classifier and the FP8 layers are autograd.Functions, which AOTAutograd's disk cache bypasses by
+    default; compiled as train.py compiles (runtime.wrap_model) their graph is saved, and a second compile of the same
+    model (a warm run) loads it: the same loss and gradients. (FP8: each new model numbers its layers anew, so only
+    the bf16 setting's second compile can be the same graph within one process.)"""
+    from torch._dynamo.utils import counters
+    from helpers import runtime
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    import torch._functorch.config as functorch_config
+    monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
+    results = []
+    for attempt in range(2 if "fp8" not in config else 1):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        gpt = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32, dropout=0.0, **config))
+        idx = torch.randint(0, 64, (2, 16))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = runtime.wrap_model(gpt, True, 1, "cpu")(idx, idx)[1]
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in gpt.parameters()]))
+        cache = dict(counters["aot_autograd"])
+        assert cache.get("autograd_cache_bypass", 0) == 0, cache
+        assert cache.get("autograd_cache_saved" if attempt == 0 else "autograd_cache_hit", 0) == 1, cache
+    if len(results) == 2:
+        assert results[0][0] == results[1][0]
+        assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_a_changed_autograd_function_misses_the_cache(tmp_path, monkeypatch):
+    """What makes the switch safe: an autograd.Function whose backward changed is traced into a different graph, so
+    the cache misses instead of replaying the old backward."""
+    from torch._dynamo.utils import counters
+    import torch._functorch.config as functorch_config
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", True)
+
+    def function(k):
+        class F(torch.autograd.Function):
+            forward = staticmethod(lambda ctx, x: x.sin())
+            backward = staticmethod(lambda ctx, g: g * k)
+        return F
+    seen = []
+    for k in (2.0, 2.0, 3.0):
+        torch._dynamo.reset()
+        counters.clear()
+        x = torch.ones(4, requires_grad=True)
+        F = function(k)
+        torch.compile(lambda x: F.apply(x).sum())(x).backward()
+        seen.append((x.grad[0].item(), counters["aot_autograd"]["autograd_cache_hit"]))
+    assert seen == [(2.0, 0), (2.0, 1), (3.0, 0)]
