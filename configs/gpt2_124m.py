@@ -39,6 +39,6 @@ min_lr = 6e-5
 
 device = "auto"
 dtype = "auto"  # bfloat16 on H100/A100
-compile = True  # the fastest measured on an H100 with the fused MLP (results/README.md); --compile=False for eager mode
+compile = True  # torch.compile's default mode; the README's results table gives each setting's speed; --compile=False: eager
 # with --fp8=True --classifier=fp8, --compile=reduce-overhead is faster: plain compile is host-bound there
 # (results/step_idle_h200.txt)

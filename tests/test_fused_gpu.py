@@ -150,7 +150,7 @@ def test_layernorm_fold_large_mean_under_autocast(half, act, mean, case):
     16-bit dh/dz against eager's 16-bit grad_h): their errors are independent draws of about the same size, and
     the ratio of two 9-term norms exceeds 2 about 2.5% of the time (F(9, 9)). Issue 27 (b) was one such draw:
     seed 0 gave grad_ln_bias 2.4x eager's error, and over 40 seeds the median ratio was 1.04 with 1 seed in 40
-    over 2x, with or without the fold's mean fix (results/gpu_numerics_issue27_h100.txt): noise, not a bias.
+    over 2x, with or without the fold's mean fix (results/gpu_numerics_ln_fold_h100.txt): noise, not a bias.
     So a small case is measured over POOLED_SEEDS seeds at once: ‖fused − ref‖ / ‖ref‖ over all their outputs
     stacked, against the same for eager, with the rule unchanged. A bias survives pooling; noise does not."""
     shape, C, H, layout, bias = LN_CASES[case]
