@@ -300,7 +300,7 @@ def main(argv=None):
                     help="comma-separated M per width (default 12288 for 768, else 16384/8192)")
     ap.add_argument("--activations", default="gelu,swiglu", help="comma-separated")
     ap.add_argument("--bias", default=True, type=true_or_false,
-                    help="the MLP's linears with biases (True, GPT-2's) or without (False, issue 29's measurements)")
+                    help="the MLP's linears with biases (True, GPT-2's) or without (False, as results/mlp_fp8_h100.txt)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="the JSON file to write (results/ holds the docs' record)")
     ap.add_argument("--portable", default=True, type=true_or_false,
                     help="also time the portable kernels (FUSED_OPS_PINGPONG=0, with the TMA and the pointer main "

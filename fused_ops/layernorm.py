@@ -13,7 +13,7 @@ have a mean far larger than their spread, and there
 - the mean itself, sum(x)/C in fp32, is off by up to a few ulps *of the mean* (the running sum rounds
   at the size of C·mean), and every x̂ of the row moves by that error times rstd, in the same direction.
   At mean 29 and unit spread that is ~2e-6 of x̂; eager's fp32 LayerNorm has a similar but different
-  error, so a row where eager's happened to be small had up to ~10x its error (issue 27; with identical rows,
+  error, so a row where eager's happened to be small had up to ~10x its error (with identical rows,
   stride 0, nothing averages out over rows in the weight gradients). x - mean is exact for the x near
   the mean (Sterbenz), so sum(x - mean) recovers that error from numbers of the spread's size, and
   subtracting it as well leaves x̂ with only the rounding of x - mean itself: as good as float64 gives

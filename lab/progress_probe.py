@@ -1,4 +1,4 @@
-"""Does train.py's progress bar slow a host-bound step (issue 47: fp8 + FP8 classifier + plain compile, 27 ms a step
+"""Does train.py's progress bar slow a host-bound step (fp8 + FP8 classifier + plain compile, 27 ms a step
 with the bar, 22 without, on an H200)? Runs train.py in this process after one change, so that each suspect can be
 tried alone: tqdm's monitor thread off (--monitor=0), or Python's GIL switch interval (--switch=seconds, default 0.005).
 

@@ -1,4 +1,4 @@
-"""Where does a step's GPU idle time go (issue 47: "the GPU waits 2.5 ms a step on the host")? For each variant, bench.py's
+"""Where does a step's GPU idle time go ("the GPU waits 2.5 ms a step on the host")? For each variant, bench.py's
 steps two ways: timed one by one from a synchronized start to a synchronized end (bench.py's clock), and back to back
 with no synchronization between them (train.py's loop, whose host runs ahead). Under torch.profiler (CPU and CUDA), a
 synchronized step's idle GPU time is split into:

@@ -45,7 +45,7 @@ def alone_part(rounds):
 
 
 def small_part(rounds):
-    """The 16-bit operator at the chunks a quarter of compiled eager's peak memory allows (issue 47's memory target:
+    """The 16-bit operator at the chunks a quarter of compiled eager's peak memory allows (the memory target:
     the fp32 dW, 0.14 GiB, leaves about 0.15 GiB for a chunk of logits: 2^26 logits, 128 MiB, or less), against
     2^28 (the product) and compiled eager."""
     base = bench_classifier.variants()

@@ -1,4 +1,4 @@
-"""Probe (issue 50): does train.py's step under torchrun do the work one GPU does? One process or several
+"""Probe: does train.py's step under torchrun do the work one GPU does? One process or several
 (torchrun), GPT-2 124M at 12x1024, train.train_step itself (the loop's step, not bench.py's), random tokens.
 
 Per step: the host time train.py reports (dt), the GPU time between CUDA events recorded at each micro-step's start

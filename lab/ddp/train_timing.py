@@ -1,4 +1,4 @@
-"""Probe (issue 50): does train.py's reported step time equal the GPU's? Runs train.main (one process or under
+"""Probe: does train.py's reported step time equal the GPU's? Runs train.main (one process or under
 torchrun) and puts a CUDA event at each train_step's start; the GPU's time per step is the median interval between
 consecutive events, train.py's is the median dt it reports (report_step). --old_stop puts back the stop-signal
 agreement of before the fix (an all_reduce over NCCL read back with int(), which waited for the GPU).

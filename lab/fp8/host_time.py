@@ -1,4 +1,4 @@
-"""Where the FP8 MLP's host time goes (issue 29): GPT-2 small's MLP (M = 12288, C = 768, GELU) under bf16 autocast,
+"""Where the FP8 MLP's host time goes: GPT-2 small's MLP (M = 12288, C = 768, GELU) under bf16 autocast,
 forward + backward, timed on the host without synchronizing (what the Python and the launches cost), against
 the GPU time of the same calls, then cProfile's top entries for 20 calls. GPU with FP8 tensor cores.
 

@@ -1,4 +1,4 @@
-"""Why is the FP8 step slower than bf16 fused's outside CUDA graphs (issue 41: 0.88x uncompiled, 0.99x compiled) when
+"""Why is the FP8 step slower than bf16 fused's outside CUDA graphs (0.88x uncompiled, 0.99x compiled) when
 its kernels take less GPU time? For each variant, a few training steps of bench.py's (no synchronization between
 them) under torch.profiler, CPU and CUDA: the step's wall time against the GPU's busy time, the CUDA runtime calls
 that can stall the host or the GPU (synchronizations, allocations, copies) with their count and host time, and the
