@@ -133,7 +133,10 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90) GPU
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts the ping-pong kernel's launches (so a test knows it ran, not the Triton fallback)."""
+    """Counts the ping-pong kernel's launches (so a test knows it ran, not the Triton fallback). These tests examine
+    the ping-pong kernels, so they run them even where FUSED_OPS_PINGPONG=0 gives the rest of the suite the portable
+    ones."""
+    monkeypatch.setattr(env, "PINGPONG", True)
     calls = []
     real = pingpong._launch
     monkeypatch.setattr(pingpong, "_launch", lambda *a, **k: (calls.append(k["EPILOGUE"]), real(*a, **k))[1])
