@@ -197,15 +197,3 @@ def activation_and_grad(x, NAME: tl.constexpr, FAST16: tl.constexpr):
         return silu_and_grad(x)
     else:
         return activation(x, NAME), activation_grad(x, NAME)
-
-
-@triton.jit
-def store_dh_dz(saved_ptr, offsets, mask, N, gate, gate_grad, up, up_grad, GATED: tl.constexpr):
-    """Store dh/dz at saved_ptr + offsets, what the backward multiplies by: act'(z) for a plain activation; for a gated
-    one, h = gate(g) · up(u), so [dh/dg | dh/du] = [up · gate'(g) | gate · up'(u)], the up half N columns on."""
-    out = saved_ptr.dtype.element_ty
-    if GATED:
-        tl.store(saved_ptr + offsets, (up * gate_grad).to(out), mask=mask)
-        tl.store(saved_ptr + offsets + N, (gate * up_grad).to(out), mask=mask)
-    else:
-        tl.store(saved_ptr + offsets, gate_grad.to(out), mask=mask)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import backends
-from .activations import activation, activation_and_grad, kernel_activations, store_dh_dz
+from .activations import activation, activation_and_grad, kernel_activations
 from .layernorm import layernorm_stats
 from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
                      tile_ids, tiles, tma_operands)
@@ -56,7 +56,12 @@ def linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr
     out = gate * up if GATED else gate
     tl.store(out_ptr + rows * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
     if SAVE:  # dh/dz, what backward needs (see the module docstring)
-        store_dh_dz(saved_ptr, rows * stride_sm + offs_n[None, :], mask, N, gate, gate_grad, up, up_grad, GATED)
+        saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :]
+        if GATED:
+            tl.store(saved_ptrs, (up * gate_grad).to(saved_ptr.dtype.element_ty), mask=mask)
+            tl.store(saved_ptrs + N, (gate * up_grad).to(saved_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(saved_ptrs, gate_grad.to(saved_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

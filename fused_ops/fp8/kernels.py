@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from .. import env
-from ..activations import activation_and_grad, kernel_activations, store_dh_dz
+from ..activations import activation_and_grad, kernel_activations
 from ..casts import quantize, to_fp16
 from ..matmul import column_offsets, fp8_mma_available, matmul_loop, needs_int64, tile_ids, tiles, tma_operands
 from ..tuning import _config, _device_shared_memory, cdiv, launch, launch_matmul, shared_memory, tuned_config
@@ -191,8 +191,13 @@ def fp8_act_epilogue(z, z_up, inv, offs_m, offs_n, M, Mp, N, b_ptr, h8_ptr, save
     # with Triton 3.6 (tl.trans of the accumulator's tile), where the dgrad epilogue's is right.
     _store_quantized(gate * up if GATED else gate, offs_m, offs_n, n_mask, M, Mp, h8_ptr, N, h8_ptr, Mp,
                      tl.load(scale_ptr), amax_ptr, True, EMULATE, INT64, TRANSPOSED=False)
-    store_dh_dz(saved_ptr, rows * stride_sm + cols, (rows < M) & n_mask[None, :], N, gate, gate_grad, up, up_grad,
-                GATED)
+    mask = (rows < M) & n_mask[None, :]
+    saved_ptrs = saved_ptr + rows * stride_sm + cols
+    if GATED:
+        tl.store(saved_ptrs, (up * gate_grad).to(saved_ptr.dtype.element_ty), mask=mask)
+        tl.store(saved_ptrs + N, (gate * up_grad).to(saved_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(saved_ptrs, gate_grad.to(saved_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
