@@ -62,7 +62,7 @@ AUTOGRAD_FUNCTION_SETTINGS = [dict(mlp="fused", classifier="fused"),
 def test_train_py_compile_caches_graphs_with_autograd_functions(config, tmp_path, monkeypatch):
     """The fused classifier and the FP8 layers are autograd.Functions, which AOTAutograd's disk cache bypasses by
     default; compiled as train.py compiles (runtime.wrap_model) their graph is saved, and a second compile of the same
-    model (a warm run) loads it: the same loss and gradients. (FP8: each new model numbers its layers anew, so only
+    model (a warm run) loads it: the same loss and gradients (to the CPU BLAS's rounding). (FP8: each new model numbers its layers anew, so only
     the bf16 setting's second compile can be the same graph within one process.)"""
     from torch._dynamo.utils import counters
     from helpers import runtime
@@ -83,9 +83,11 @@ def test_train_py_compile_caches_graphs_with_autograd_functions(config, tmp_path
         cache = dict(counters["aot_autograd"])
         assert cache.get("autograd_cache_bypass", 0) == 0, cache
         assert cache.get("autograd_cache_saved" if attempt == 0 else "autograd_cache_hit", 0) == 1, cache
-    if len(results) == 2:
-        assert results[0][0] == results[1][0]
-        assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    if len(results) == 2:  # the same graph: equal up to the CPU BLAS's rounding, which varies with the buffers'
+        # alignment (MKL's results are reproducible only at fixed alignment: one full-suite run of three differed)
+        assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+        for a, b in zip(results[0][1], results[1][1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_a_changed_autograd_function_misses_the_cache(tmp_path, monkeypatch):
