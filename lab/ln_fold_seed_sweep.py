@@ -1,6 +1,6 @@
-"""Issue 27 (b) on a GPU: the "16x1x9 strided", mean 1000, gelu, fp16-autocast LayerNorm-fold case over many
-seeds, with the statistics' mean residual (the fix of the fold's error on near-constant rows) and without it (zeroed: the statistics
-as they were), to tell noise from bias. Run as `python lab/ln_fold_seed_sweep.py [seeds]`; results/gpu_numerics_ln_fold_h100.txt holds a run."""
+"""The LayerNorm fold's error on rows whose mean dwarfs their spread, on a GPU: the "16x1x9 strided", mean 1000,
+gelu, fp16-autocast case over many seeds, with the statistics' mean residual (the fix) and without it (zeroed: the
+statistics as they were), to tell noise from bias. Run as `python lab/ln_fold_seed_sweep.py [seeds]`; results/gpu_numerics_ln_fold_h100.txt holds a run."""
 
 import os
 import sys

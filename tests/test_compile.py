@@ -62,8 +62,8 @@ AUTOGRAD_FUNCTION_SETTINGS = [dict(mlp="fused", classifier="fused"),
 def test_train_py_compile_caches_graphs_with_autograd_functions(config, tmp_path, monkeypatch):
     """The fused classifier and the FP8 layers are autograd.Functions, which AOTAutograd's disk cache bypasses by
     default; compiled as train.py compiles (runtime.wrap_model) their graph is saved, and a second compile of the same
-    model (a warm run) loads it: the same loss and gradients (to the CPU BLAS's rounding). (FP8: each new model numbers its layers anew, so only
-    the bf16 setting's second compile can be the same graph within one process.)"""
+    model (a warm run) loads it: the same loss and gradients (to the CPU BLAS's rounding). (FP8: each new model
+    numbers its layers anew, so only the bf16 setting's second compile can be the same graph within one process.)"""
     from torch._dynamo.utils import counters
     from helpers import runtime
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
