@@ -30,7 +30,7 @@ from fused_ops.activations import kernel_activations  # noqa: E402
 from fused_ops.dgrad import dgrad_kernel  # noqa: E402
 from fused_ops.fp8 import kernels as fp8k  # noqa: E402
 from fused_ops.linear_act import linear_act_kernel  # noqa: E402
-from fused_ops.matmul import dot_settings, tma_operands  # noqa: E402
+from fused_ops.matmul import dot_settings, tma_epilogue_operands, tma_operands  # noqa: E402
 from fused_ops.tuning import _config as C  # noqa: E402
 
 env.PINGPONG = False
@@ -99,16 +99,21 @@ def forward_rows(activation, pointer, quick):
         desc, kmaj = tma_operands(x, w.t())
     wt = w if desc else w.t().contiguous().t()  # (the launcher's N-major copy for the pointer loop)
     acc, prec = dot_settings(DT)
-    args = (x, wt, b, out, saved, out, wt, wt, M, H, WIDTH, x.stride(0), x.stride(1), wt.stride(0), wt.stride(1),
-            out.stride(0), saved.stride(0))
+    args = (x, wt, b, out, saved, out, wt, wt, saved, M, H, WIDTH, x.stride(0), x.stride(1), wt.stride(0),
+            wt.stride(1), out.stride(0), saved.stride(0))
     base = dict(ACTIVATION=act, UP_ACTIVATION=up, GATED=gated, HAS_BIAS=True, SAVE=True, FAST16=True, LN_FOLD=False,
                 LN_WEIGHT=False, LN_BIAS=False, ACC_DTYPE=acc, PRECISION=prec, INT64=False, TMA=bool(desc),
-                B_KMAJOR=kmaj)
+                B_KMAJOR=kmaj, TMA_EPILOGUE=False)
+    # the epilogue's stores through TMA too (where the main loop is): each config both ways
+    epi = tma_epilogue_operands(desc, (out, saved[:, :H], saved[:, H:]) if gated else (out, saved, saved), (3, 4, 8))
     res = []
     cands = space(gated, pointer)[:3 if quick else None]
     for name, cfg in cands:
         res.append((name, run_cfg(linear_act_kernel, M, H, WIDTH, args, base, cfg, desc)))
-    best = min((r for r in res if isinstance(r[1], float)), key=lambda r: r[1])
+        if epi:
+            res.append((name + " tmaepi", run_cfg(linear_act_kernel, M, H, WIDTH, args, {**base, "TMA_EPILOGUE": True},
+                                                  cfg, desc + epi)))
+    best = min((r for r in res if isinstance(r[1], float) and not r[0].endswith("tmaepi")), key=lambda r: r[1])
     bcfg = dict(cands)[best[0]]
     extra = [("best, old epilogue math (FAST16=False)", run_cfg(linear_act_kernel, M, H, WIDTH, args,
                                                                   {**base, "FAST16": False}, bcfg, desc)),
@@ -127,12 +132,19 @@ def dgrad_rows(gated, pointer, quick):
         desc, kmaj = tma_operands(gy, w2)
     acc, prec = dot_settings(DT)
     partial = torch.empty(tuning.cdiv(M, 32), width, device=DEV)
-    args = (gy, w2, saved, out, partial, M, H, WIDTH, gy.stride(0), gy.stride(1), w2.stride(0), w2.stride(1),
-            saved.stride(0), out.stride(0), partial.stride(0))
+    args = (gy, w2, saved, out, partial, saved, out, M, H, WIDTH, gy.stride(0), gy.stride(1), w2.stride(0),
+            w2.stride(1), saved.stride(0), out.stride(0), partial.stride(0))
     base = dict(GATED=gated, BIAS_GRAD=True, ACC_DTYPE=acc, PRECISION=prec, INT64=False, TMA=bool(desc),
-                B_KMAJOR=kmaj)
+                B_KMAJOR=kmaj, TMA_EPILOGUE=False)
+    halves = (saved[:, :H], out[:, :H], saved[:, H:], out[:, H:]) if gated else (saved, out, saved, out)
+    epi = tma_epilogue_operands(desc, halves, (2, 3, 5, 6))
     cands = space(gated, pointer)[:3 if quick else None]
-    res = [(n, run_cfg(dgrad_kernel, M, H, WIDTH, args, base, c, desc)) for n, c in cands]
+    res = []
+    for n, c in cands:
+        res.append((n, run_cfg(dgrad_kernel, M, H, WIDTH, args, base, c, desc)))
+        if epi:
+            res.append((n + " tmaepi", run_cfg(dgrad_kernel, M, H, WIDTH, args, {**base, "TMA_EPILOGUE": True}, c,
+                                               desc + epi)))
     best = min((r for r in res if isinstance(r[1], float)), key=lambda r: r[1])
     return res, best, (gy, w2)
 
@@ -198,6 +210,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="the plumbing on a CPU at toy sizes (tests)")
     ap.add_argument("--parts", default="fwd,dgrad,fp8")
     ap.add_argument("--activations", default="gelu,swiglu")
+    ap.add_argument("--loops", default="tma,pointer", help="main loops to time: tma, pointer or both")
     args = ap.parse_args()
     t0 = time.time()
     n = 256 if SMOKE else 8192
@@ -209,6 +222,7 @@ def main():
     print(f"{'cpu (smoke)' if SMOKE else torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"{time.strftime('%Y-%m-%d')}\nmeasured: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.0f} GB/s")
     parts = args.parts.split(",")
+    loops = [loop == "pointer" for loop in args.loops.split(",")]
     for activation in args.activations.split(","):
         gated = activation == "swiglu"
         H = 2048 if gated else HIDDEN
@@ -219,7 +233,7 @@ def main():
         dgrad_bytes = 2 * (M * WIDTH + WIDTH * H + 2 * M * rows)  # grad_y, W2, saved in, grad_z out
         floor = lambda f, by: max(f / peak / 1e9, by / bw / 1e6)  # noqa: E731
         if "fwd" in parts:
-            for pointer in (False, True):
+            for pointer in loops:
                 res, best, extra, (x, w, bias) = forward_rows(activation, pointer, args.quick)
                 show(f"{activation} forward, {'pointer' if pointer else 'TMA'} loop: M={M} K={WIDTH} N={rows}",
                      res + extra, floor(flops, fwd_bytes))
@@ -230,7 +244,7 @@ def main():
                 lt = ms(lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True))
                 print(f"  cuBLASLt bias + GELU (torch._addmm_activation, h only, no dh/dz) {lt * 1e3:.1f} us")
         if "dgrad" in parts:
-            for pointer in (False, True):
+            for pointer in loops:
                 res, best, (gy, w2) = dgrad_rows(gated, pointer, args.quick)
                 show(f"{activation} dgrad, {'pointer' if pointer else 'TMA'} loop: M={M} K={WIDTH} N={H}", res,
                      floor(2 * M * WIDTH * H, dgrad_bytes))
