@@ -17,50 +17,36 @@ import triton.language as tl
 
 from .activations import kernel_activations
 from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
-                     tile_ids, tiles, tma_epilogue_operands, tma_operands)
+                     tile_ids, tiles, tma_operands)
 from . import backends, tuning
 from .tuning import launch_matmul
 
 
 @triton.jit
-def dgrad_epilogue(grad_h, offs_m, offs_n, row0, col0, pid_m, M, N, saved_ptr, saved_up, out_ptr, out_up, dbias_ptr, stride_sm,
-                   stride_om, stride_dbm, GATED: tl.constexpr, BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                   INT64: tl.constexpr, TMA_EPILOGUE: tl.constexpr):
-    """grad_z for output columns offs_n of a tile (both halves when gated), and their column sums. row0, col0: the
-    first of offs_m and offs_n.
-
-    With TMA_EPILOGUE, saved / out are tensor descriptors of the gate half (or the whole, plain) and saved_up /
-    out_up of the up half: the copy engine moves whole tiles, clips the rows and columns past the edge and fills
-    what it loads there with zeros, so no mask is computed and the stores leave the warps as soon as they are in
-    shared memory. Otherwise they are pointers, the up half N columns on, and saved_up / out_up unused."""
+def dgrad_epilogue(grad_h, offs_m, offs_n, pid_m, M, N, saved_ptr, out_ptr, dbias_ptr, stride_sm, stride_om,
+                   stride_dbm, GATED: tl.constexpr, BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                   INT64: tl.constexpr):
+    """grad_z for output columns offs_n of a tile (both halves when gated), and their column sums."""
     n_mask = offs_n < N
     mask = (offs_m < M)[:, None] & n_mask[None, :]
     rows = (offs_m.to(tl.int64) if INT64 else offs_m)[:, None]
-    saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :] if not TMA_EPILOGUE else saved_ptr
-    out_ptrs = out_ptr + rows * stride_om + offs_n[None, :] if not TMA_EPILOGUE else out_ptr
+    saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :]
+    out_ptrs = out_ptr + rows * stride_om + offs_n[None, :]
     dbias_ptrs = dbias_ptr + pid_m * stride_dbm + offs_n
     for half in tl.static_range(2 if GATED else 1):  # gated: the gate half, then the up half N columns on
-        if TMA_EPILOGUE:
-            if half == 0:
-                grad = grad_h * saved_ptr.load([row0, col0]).to(ACC_DTYPE)
-                out_ptr.store([row0, col0], grad.to(out_ptr.dtype))
-            else:
-                grad = grad_h * saved_up.load([row0, col0]).to(ACC_DTYPE)
-                out_up.store([row0, col0], grad.to(out_up.dtype))
-        else:
-            grad = grad_h * tl.load(saved_ptrs + half * N, mask=mask, other=0.0).to(ACC_DTYPE)
-            tl.store(out_ptrs + half * N, grad.to(out_ptr.dtype.element_ty), mask=mask)
+        grad = grad_h * tl.load(saved_ptrs + half * N, mask=mask, other=0.0).to(ACC_DTYPE)
+        tl.store(out_ptrs + half * N, grad.to(out_ptr.dtype.element_ty), mask=mask)
         if BIAS_GRAD:  # this tile's column sums; rows past M are zeros (their saved values load as 0)
             tl.store(dbias_ptrs + half * N, tl.sum(grad, axis=0).to(dbias_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
 def dgrad_kernel(
-    g_ptr, w_ptr, saved_ptr, out_ptr, dbias_ptr, saved_up, out_up, M, N, K,
+    g_ptr, w_ptr, saved_ptr, out_ptr, dbias_ptr, M, N, K,
     stride_gm, stride_gk, stride_wk, stride_wn, stride_sm, stride_om, stride_dbm,
     GATED: tl.constexpr, BIAS_GRAD: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, INT64: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
-    TMA_EPILOGUE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
@@ -74,19 +60,16 @@ def dgrad_kernel(
                              BLOCK_M, BLOCK_N, BLOCK_K, TMA=TMA, B_KMAJOR=B_KMAJOR)[0]
         # The saved tensor is read after the main loop: held in registers across it, it would push the tile
         # over the register file and spill.
-        row0, col0 = pid_m * BLOCK_M, pid_n * BLOCK_N
         if SPLIT_EPILOGUE:  # one half of the tile's columns at a time
             left, right = split_columns(grad_h, BLOCK_M, BLOCK_N)
-            dgrad_epilogue(left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), row0, col0, pid_m, M, N, saved_ptr,
-                           saved_up, out_ptr, out_up, dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD,
-                           ACC_DTYPE, INT64, TMA_EPILOGUE)
-            dgrad_epilogue(right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), row0, col0 + BLOCK_N // 2, pid_m, M,
-                           N, saved_ptr, saved_up, out_ptr, out_up, dbias_ptr, stride_sm, stride_om, stride_dbm, GATED,
-                           BIAS_GRAD, ACC_DTYPE, INT64, TMA_EPILOGUE)
+            dgrad_epilogue(left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), pid_m, M, N, saved_ptr, out_ptr,
+                           dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
+            dgrad_epilogue(right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), pid_m, M, N, saved_ptr, out_ptr,
+                           dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
         else:
-            dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), row0, col0, pid_m, M, N, saved_ptr,
-                           saved_up, out_ptr, out_up, dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD,
-                           ACC_DTYPE, INT64, TMA_EPILOGUE)
+            dgrad_epilogue(grad_h, offs_m, column_offsets(pid_n, BLOCK_N, 0, 1), pid_m, M, N, saved_ptr, out_ptr,
+                           dbias_ptr, stride_sm, stride_om, stride_dbm, GATED, BIAS_GRAD, ACC_DTYPE, INT64)
+
 
 def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
     """grad_z = (grad_y @ w2) * dh/dz from what linear_act_forward saved, and the bias gradient
@@ -112,12 +95,9 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
     if grad_bias is not NotImplemented:  # (else no backend takes it, or it failed: the Triton kernel below runs)
         return out, grad_bias
     descriptors, b_kmajor = tma_operands(grad_y, w2)
-    # The epilogue's loads and stores through TMA as well, where the main loop's are (one descriptor per half).
-    halves = (saved[:, :N], out[:, :N], saved[:, N:], out[:, N:]) if gated else (saved, out, saved, out)
-    epilogue = tma_epilogue_operands(descriptors, halves, (2, 3, 5, 6))
     consts = dict(GATED=gated, BIAS_GRAD=bias_grad,
                   ACC_DTYPE=acc_dtype, PRECISION=precision, INT64=needs_int64(grad_y, w2, saved, out),
-                  TMA=bool(descriptors), B_KMAJOR=b_kmajor, TMA_EPILOGUE=bool(epilogue))
+                  TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("dgrad", N, K, grad_y.dtype, w2.stride(), grad_y.device, *consts.values())
     # One row of column sums per row-tile of the tuned config (before tuning: of the smallest BLOCK_M any
     # config may use), read back only as far as the config that ran wrote.
@@ -126,10 +106,10 @@ def linear_act_dgrad(grad_y, w2, saved, activation, bias_grad=True, out=None):
                else min(c.kwargs["BLOCK_M"] for c in tuning.matmul_configs(False, grad_y.dtype)))
     partial = torch.empty((tuning.cdiv(M, block_m), saved.shape[1]), device=saved.device, dtype=sum_dtype) \
         if bias_grad else out
-    args = (grad_y, w2, saved, out, partial, saved, out, M, N, K, grad_y.stride(0), grad_y.stride(1), w2.stride(0),
-            w2.stride(1), saved.stride(0), out.stride(0), partial.stride(0))
+    args = (grad_y, w2, saved, out, partial, M, N, K, grad_y.stride(0), grad_y.stride(1), w2.stride(0), w2.stride(1),
+            saved.stride(0), out.stride(0), partial.stride(0))
     cfg = launch_matmul(dgrad_kernel, M, N, K, args, consts, False, grad_y.dtype, key,
-                        descriptors=descriptors + epilogue)
+                        descriptors=descriptors)
     if not bias_grad:
         return out, None
     return out, partial[: tuning.cdiv(M, cfg.kwargs["BLOCK_M"])].sum(0)

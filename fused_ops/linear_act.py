@@ -28,18 +28,16 @@ from . import backends
 from .activations import activation, activation_and_grad, kernel_activations
 from .layernorm import layernorm_stats
 from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
-                     tile_ids, tiles, tma_epilogue_operands, tma_operands)
+                     tile_ids, tiles, tma_operands)
 from .tuning import TRANSPOSE_WEIGHT_MIN_M, launch_matmul
 
 
 @triton.jit
-def linear_act_epilogue(z, z_up, offs_m, offs_n, row0, col0, M, N, b_ptr, out_ptr, saved_ptr, saved_up, stride_om,
-                        stride_sm, ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
+def linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
+                        ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
                         HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, ACC_DTYPE: tl.constexpr, INT64: tl.constexpr,
-                        FAST16: tl.constexpr, TMA_EPILOGUE: tl.constexpr):
-    """Bias, activation and the stores for output columns offs_n of a tile still in registers (row0, col0: the first
-    of offs_m and offs_n). With TMA_EPILOGUE, out, saved and saved_up (dh/dz's up half, gated) are tensor
-    descriptors and the copy engine stores whole tiles, clipped at the edges (dgrad.dgrad_epilogue says why)."""
+                        FAST16: tl.constexpr):
+    """Bias, activation and the stores for output columns offs_n of a tile still in registers."""
     n_mask = offs_n < N
     mask = (offs_m < M)[:, None] & n_mask[None, :]
     if HAS_BIAS:
@@ -56,34 +54,25 @@ def linear_act_epilogue(z, z_up, offs_m, offs_n, row0, col0, M, N, b_ptr, out_pt
         gate = activation(z, ACTIVATION)
         up = activation(z_up, UP_ACTIVATION) if GATED else gate
     out = gate * up if GATED else gate
-    if TMA_EPILOGUE:
-        out_ptr.store([row0, col0], out.to(out_ptr.dtype))
-        if SAVE:  # dh/dz, what backward needs (see the module docstring)
-            if GATED:
-                saved_ptr.store([row0, col0], (up * gate_grad).to(saved_ptr.dtype))
-                saved_up.store([row0, col0], (gate * up_grad).to(saved_up.dtype))
-            else:
-                saved_ptr.store([row0, col0], gate_grad.to(saved_ptr.dtype))
-    else:
-        tl.store(out_ptr + rows * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
-        if SAVE:
-            saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :]
-            if GATED:
-                tl.store(saved_ptrs, (up * gate_grad).to(saved_ptr.dtype.element_ty), mask=mask)
-                tl.store(saved_ptrs + N, (gate * up_grad).to(saved_ptr.dtype.element_ty), mask=mask)
-            else:
-                tl.store(saved_ptrs, gate_grad.to(saved_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SAVE:  # dh/dz, what backward needs (see the module docstring)
+        saved_ptrs = saved_ptr + rows * stride_sm + offs_n[None, :]
+        if GATED:
+            tl.store(saved_ptrs, (up * gate_grad).to(saved_ptr.dtype.element_ty), mask=mask)
+            tl.store(saved_ptrs + N, (gate * up_grad).to(saved_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(saved_ptrs, gate_grad.to(saved_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def linear_act_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, saved_ptr, stats_ptr, ln_w_ptr, ln_b_ptr, saved_up, M, N, K,
+    x_ptr, w_ptr, b_ptr, out_ptr, saved_ptr, stats_ptr, ln_w_ptr, ln_b_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_sm,
     ACTIVATION: tl.constexpr, UP_ACTIVATION: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, FAST16: tl.constexpr,
     LN_FOLD: tl.constexpr, LN_WEIGHT: tl.constexpr, LN_BIAS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
-    TMA: tl.constexpr, B_KMAJOR: tl.constexpr, TMA_EPILOGUE: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
+    TMA: tl.constexpr, B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
@@ -101,22 +90,21 @@ def linear_act_kernel(
             N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
             TMA=TMA, B_KMAJOR=B_KMAJOR, stats_ptr=stats_ptr, ln_w_ptr=ln_w_ptr, ln_b_ptr=ln_b_ptr,
             LAYERNORM=LN_FOLD, LN_WEIGHT=LN_WEIGHT, LN_BIAS=LN_BIAS)
-        row0, col0 = pid_m * BLOCK_M, pid_n * BLOCK_N
         if SPLIT_EPILOGUE:  # the epilogue on one half of the tile's columns at a time
             z_left, z_right = split_columns(z, BLOCK_M, BLOCK_N)
             up_left, up_right = z_left, z_right
             if GATED:
                 up_left, up_right = split_columns(z_up, BLOCK_M, BLOCK_N)
-            linear_act_epilogue(z_left, up_left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), row0, col0, M, N,
-                                b_ptr, out_ptr, saved_ptr, saved_up, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION,
-                                GATED, HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16, TMA_EPILOGUE)
-            linear_act_epilogue(z_right, up_right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), row0,
-                                col0 + BLOCK_N // 2, M, N, b_ptr, out_ptr, saved_ptr, saved_up, stride_om, stride_sm,
-                                ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16, TMA_EPILOGUE)
+            linear_act_epilogue(z_left, up_left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), M, N, b_ptr,
+                                out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
+                                HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
+            linear_act_epilogue(z_right, up_right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), M, N, b_ptr,
+                                out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
+                                HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
         else:
-            linear_act_epilogue(z, z_up, offs_m, offs_n, row0, col0, M, N, b_ptr, out_ptr, saved_ptr, saved_up,
-                                stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, ACC_DTYPE,
-                                INT64, FAST16, TMA_EPILOGUE)
+            linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
+                                ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
+
 
 def linear_act_forward(x, weight, bias, activation, save=True, out=None, saved=None):
     """Launch the kernel on a 2-D x (M, K) of any strides. Returns (out (M, N), saved or None).
@@ -169,23 +157,18 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
         # is K-major. One transposed copy of W costs less than that saves in the main loop once M is large.
         weight = weight.t().contiguous().t()
     acc_dtype, precision = dot_settings(weight.dtype)  # the dot's operands have the weight's dtype
-    # The epilogue's stores through TMA as well, where the main loop's loads are (dh/dz by halves when gated).
-    halves = ((out, saved[:, :N], saved[:, N:]) if gated else (out, saved, saved)) if save else (out, out, out)
-    epilogue = tma_epilogue_operands(descriptors, halves, (3, 4, 8))
-    saved_arg = saved if save else out
-    args = (x, weight, bias if bias is not None else weight, out, saved_arg,
+    args = (x, weight, bias if bias is not None else weight, out, saved if save else out,
             stats if stats is not None else out, ln_weight if ln_weight is not None else weight,
-            ln_bias if ln_bias is not None else weight, saved_arg, M, N, K,
+            ln_bias if ln_bias is not None else weight, M, N, K,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), saved.stride(0) if save else 0)
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, SAVE=save,
                   FAST16=weight.dtype in (torch.float16, torch.bfloat16), LN_FOLD=ln is not None, LN_WEIGHT=ln_weight is not None, LN_BIAS=ln_bias is not None,
                   ACC_DTYPE=acc_dtype, PRECISION=precision,
-                  INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor,
-                  TMA_EPILOGUE=bool(epilogue))
+                  INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor)
     key = ("linear_act", N, K, x.dtype, weight.dtype, weight.stride(), x.device, *consts.values())
     # Tiles sized for the wider operand: an fp32 x (the fold under autocast) takes twice the shared
     # memory per A tile of a 16-bit one.
     tile_dtype = x.dtype if x.element_size() > weight.element_size() else weight.dtype
     launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, tile_dtype, key,
-                  descriptors=descriptors + epilogue)
+                  descriptors=descriptors)
     return out, (saved if save else None), stats

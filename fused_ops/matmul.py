@@ -198,17 +198,6 @@ def tma_operands(a, b_kn, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     return [], False
 
 
-def tma_epilogue_operands(main_loop, tensors, positions):
-    """The descriptors an epilogue reads and writes its tiles through, or [] (then it uses pointers).
-
-    Only where the main loop runs on TMA (main_loop: tma_operands' list) and every tensor is TMA-readable: then
-    (position in args, tensor, its block dims) for each, the block one epilogue part (half the tile's columns with
-    SPLIT_EPILOGUE; see tuning.block_dims)."""
-    if not main_loop or not all(_tma_readable(t) for t in tensors):
-        return []
-    return [(i, t, ("BLOCK_M", "EPILOGUE_N")) for i, t in zip(positions, tensors)]
-
-
 def dot_settings(dtype):
     """(accumulator dtype, tl.dot input precision) for operands of a torch dtype.
 

@@ -163,18 +163,11 @@ def _grid_and_args(cfg, M, N, args, descriptors):
     meta = cfg.kwargs
     call_args = list(args)
     for i, t, block in descriptors:
-        call_args[i] = TensorDescriptor.from_tensor(t, block_dims(meta, block))
+        call_args[i] = TensorDescriptor.from_tensor(t, [meta[d] for d in block])
     programs = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
     if meta.get("PERSISTENT"):
         programs = min(programs, meta["PERSISTENT"] * _processors())
     return (programs, 1, 1), call_args
-
-
-def block_dims(meta, names):
-    """A descriptor's block shape from a config's constexprs: a tile dimension by name, or EPILOGUE_N, the columns
-    one epilogue part covers (half of BLOCK_N with SPLIT_EPILOGUE)."""
-    epilogue_n = meta["BLOCK_N"] // (2 if meta.get("SPLIT_EPILOGUE") else 1)
-    return [epilogue_n if d == "EPILOGUE_N" else meta[d] for d in names]
 
 
 @functools.lru_cache(maxsize=None)

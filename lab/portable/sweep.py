@@ -30,7 +30,7 @@ from fused_ops.activations import kernel_activations  # noqa: E402
 from fused_ops.dgrad import dgrad_kernel  # noqa: E402
 from fused_ops.fp8 import kernels as fp8k  # noqa: E402
 from fused_ops.linear_act import linear_act_kernel  # noqa: E402
-from fused_ops.matmul import dot_settings, tma_epilogue_operands, tma_operands  # noqa: E402
+from fused_ops.matmul import dot_settings, tma_operands  # noqa: E402
 from fused_ops.tuning import _config as C  # noqa: E402
 
 env.PINGPONG = False
@@ -99,21 +99,16 @@ def forward_rows(activation, pointer, quick):
         desc, kmaj = tma_operands(x, w.t())
     wt = w if desc else w.t().contiguous().t()  # (the launcher's N-major copy for the pointer loop)
     acc, prec = dot_settings(DT)
-    args = (x, wt, b, out, saved, out, wt, wt, saved, M, H, WIDTH, x.stride(0), x.stride(1), wt.stride(0),
-            wt.stride(1), out.stride(0), saved.stride(0))
+    args = (x, wt, b, out, saved, out, wt, wt, M, H, WIDTH, x.stride(0), x.stride(1), wt.stride(0), wt.stride(1),
+            out.stride(0), saved.stride(0))
     base = dict(ACTIVATION=act, UP_ACTIVATION=up, GATED=gated, HAS_BIAS=True, SAVE=True, FAST16=True, LN_FOLD=False,
                 LN_WEIGHT=False, LN_BIAS=False, ACC_DTYPE=acc, PRECISION=prec, INT64=False, TMA=bool(desc),
-                B_KMAJOR=kmaj, TMA_EPILOGUE=False)
-    # the epilogue's stores through TMA too (where the main loop is): each config both ways
-    epi = tma_epilogue_operands(desc, (out, saved[:, :H], saved[:, H:]) if gated else (out, saved, saved), (3, 4, 8))
+                B_KMAJOR=kmaj)
     res = []
     cands = space(gated, pointer)[:3 if quick else None]
     for name, cfg in cands:
         res.append((name, run_cfg(linear_act_kernel, M, H, WIDTH, args, base, cfg, desc)))
-        if epi:
-            res.append((name + " tmaepi", run_cfg(linear_act_kernel, M, H, WIDTH, args, {**base, "TMA_EPILOGUE": True},
-                                                  cfg, desc + epi)))
-    best = min((r for r in res if isinstance(r[1], float) and not r[0].endswith("tmaepi")), key=lambda r: r[1])
+    best = min((r for r in res if isinstance(r[1], float)), key=lambda r: r[1])
     bcfg = dict(cands)[best[0]]
     extra = [("best, old epilogue math (FAST16=False)", run_cfg(linear_act_kernel, M, H, WIDTH, args,
                                                                   {**base, "FAST16": False}, bcfg, desc)),
@@ -132,19 +127,12 @@ def dgrad_rows(gated, pointer, quick):
         desc, kmaj = tma_operands(gy, w2)
     acc, prec = dot_settings(DT)
     partial = torch.empty(tuning.cdiv(M, 32), width, device=DEV)
-    args = (gy, w2, saved, out, partial, saved, out, M, H, WIDTH, gy.stride(0), gy.stride(1), w2.stride(0),
-            w2.stride(1), saved.stride(0), out.stride(0), partial.stride(0))
+    args = (gy, w2, saved, out, partial, M, H, WIDTH, gy.stride(0), gy.stride(1), w2.stride(0), w2.stride(1),
+            saved.stride(0), out.stride(0), partial.stride(0))
     base = dict(GATED=gated, BIAS_GRAD=True, ACC_DTYPE=acc, PRECISION=prec, INT64=False, TMA=bool(desc),
-                B_KMAJOR=kmaj, TMA_EPILOGUE=False)
-    halves = (saved[:, :H], out[:, :H], saved[:, H:], out[:, H:]) if gated else (saved, out, saved, out)
-    epi = tma_epilogue_operands(desc, halves, (2, 3, 5, 6))
+                B_KMAJOR=kmaj)
     cands = space(gated, pointer)[:3 if quick else None]
-    res = []
-    for n, c in cands:
-        res.append((n, run_cfg(dgrad_kernel, M, H, WIDTH, args, base, c, desc)))
-        if epi:
-            res.append((n + " tmaepi", run_cfg(dgrad_kernel, M, H, WIDTH, args, {**base, "TMA_EPILOGUE": True}, c,
-                                               desc + epi)))
+    res = [(n, run_cfg(dgrad_kernel, M, H, WIDTH, args, base, c, desc)) for n, c in cands]
     best = min((r for r in res if isinstance(r[1], float)), key=lambda r: r[1])
     return res, best, (gy, w2)
 
