@@ -123,19 +123,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         # fp8_reach="blocks": both projections in FP8 while training, each with its delayed scales (not saved)
-        self.fp8 = self.fp8_linear = None
+        self.fp8 = self.fp8_ops = None
         if config.fp8_reach == "blocks":
             fused_ops = import_fused_ops(required=True)
             self.fp8 = nn.ModuleList([fused_ops.FP8State(), fused_ops.FP8State()])
-            self.fp8_linear = fused_ops.fp8_linear
-
-    def project(self, i, layer, x):
-        """layer(x), in FP8 where fp8_reach="blocks" (i: which of the two states)."""
-        return layer(x) if self.fp8 is None else self.fp8_linear(x, layer.weight, layer.bias, self.fp8[i])
+            self.fp8_ops = (fused_ops.fp8_linear_qkv, fused_ops.fp8_linear)
 
     def forward(self, x, cache=None):
         B, T, C = x.size()
-        q, k, v = self.project(0, self.c_attn, x).split(self.n_embd, dim=2)
+        if self.fp8 is None:
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        else:  # q, k and v as three outputs, so that their gradients are cast apart, never concatenated
+            q, k, v = self.fp8_ops[0](x, self.c_attn.weight, self.c_attn.bias, self.fp8[0])
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         mask, causal = None, True
         if cache is not None:
@@ -147,7 +146,11 @@ class CausalSelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.project(1, self.c_proj, y))
+        if self.fp8 is None:
+            y = self.c_proj(y)
+        else:
+            y = self.fp8_ops[1](y, self.c_proj.weight, self.c_proj.bias, self.fp8[1])
+        return self.resid_dropout(y)
 
 
 class EagerMLP:

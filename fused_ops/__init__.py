@@ -50,13 +50,13 @@ from .mlp import (FusedMLPFunction, LinearActFunction, check_mlp_args, fused_mlp
 from .classifier import linear_cross_entropy
 from .adamw import FusedAdamW
 from . import hopper  # noqa: F401  (after the core: registers the Hopper kernels with backends)
-from .fp8 import (FP8State, check_fp8_device, fp8_layers_as_function, fp8_linear, fp8_linear_cross_entropy, fp8_mlp,
+from .fp8 import (FP8State, check_fp8_device, fp8_layers_as_function, fp8_linear, fp8_linear_qkv, fp8_linear_cross_entropy, fp8_mlp,
                   fp8_supported)
 from .graphs import MLPGraphs, graphs_usable
 from .layers import AutoMLP, FP8MLP, FusedMLP, fp8_graphs_usable
 
 __all__ = [
-    "GATED", "PLAIN", "kernel_activations", "FP8State", "check_fp8_device", "fp8_graphs_usable", "fp8_layers_as_function", "fp8_linear", "fp8_linear_cross_entropy", "fp8_mlp", "fp8_supported",
+    "GATED", "PLAIN", "kernel_activations", "FP8State", "check_fp8_device", "fp8_graphs_usable", "fp8_layers_as_function", "fp8_linear", "fp8_linear_qkv", "fp8_linear_cross_entropy", "fp8_mlp", "fp8_supported",
     "MLPGraphs", "graphs_usable",
     "linear_act_dgrad", "linear_act_forward", "FusedMLPFunction", "LinearActFunction", "check_mlp_args", "fused_mlp", "fused_mlp_layers", "kernels_can_run",
     "linear_act", "layers_as_function", "linear_cross_entropy", "FusedAdamW", "AutoMLP", "FP8MLP", "FusedMLP",

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import model
-from fused_ops.fp8 import E4M3, E5M2, FP8_MAX, GRAD_Y, X, FP8State, fp8_linear
+from fused_ops.fp8 import E4M3, E5M2, FP8_MAX, GRAD_Y, X, FP8State, fp8_linear, fp8_linear_qkv
+from fused_ops.fp8 import kernels as fp8_kernels
 from fused_ops.fp8 import state as fp8_state
 from helpers import config as settings
 from numerics import assert_no_worse_than_eager
@@ -154,6 +155,84 @@ def test_the_switch_is_checked_and_keeps_checkpoints_loadable():
     model.GPT(model.GPTConfig(**{**args, "mlp": "eager"})).load_state_dict(blocks.state_dict())
 
 
+def check_qkv_against_chunked(M, K, n, dtype, device, calls=3, exact=True):
+    """fp8_linear_qkv against fp8_linear(...).chunk(3) on a copy of the layer with its own state, call by call (the
+    first calibrates): q, k, v, dx, dW, db and the scales. The gradients come as views with a row stride wider than
+    n (as attention's backward may leave them), the last row count not a multiple of 16. exact: bit for bit (CPU);
+    else within 2 FP8 steps of the chunked linear's error against float64 (on the GPU cuBLAS may pick other kernels
+    for the thirds)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(K, 3 * n, device=device, dtype=dtype) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    states = [FP8State().to(device), FP8State().to(device)]
+    for call in range(calls):
+        x = torch.randn(M, K, device=device, dtype=dtype)
+        grads = torch.randn(M, 3 * n + 16, device=device, dtype=dtype)[:, :3 * n] * 1e-3  # (row stride 3n + 16)
+        outs, dxs = [], []
+        for layer, state, fn in zip(layers, states, ("chunked", "qkv")):
+            xi = x.clone().requires_grad_()
+            parts = (fp8_linear(xi, layer.weight, layer.bias, state).chunk(3, dim=-1) if fn == "chunked"
+                     else fp8_linear_qkv(xi, layer.weight, layer.bias, state))
+            torch.autograd.backward(parts, [grads[:, i * n:(i + 1) * n] for i in range(3)])
+            outs.append((*parts, xi.grad, layer.weight.grad, layer.bias.grad))
+        exact64 = exact_linear(x, layers[0].weight, layers[0].bias, grads)
+        wanted = (*exact64[0].chunk(3, dim=-1), *exact64[1:])
+        for name, a, b, e in zip(("q", "k", "v", "dx", "dW", "db"), *outs, wanted):
+            if exact:
+                assert torch.equal(a, b), (call, name)
+            else:
+                assert rel(b, e) <= 2 * rel(a, e) + 1e-3, (call, name, rel(b, e), rel(a, e))
+        assert torch.equal(states[0].scale, states[1].scale) and torch.equal(states[0].history, states[1].history)
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("M", [64, 45])
+def test_fp8_linear_qkv_is_fp8_linear_chunked_on_cpu(M):
+    check_qkv_against_chunked(M, 32, 48, torch.float16, "cpu")
+
+
+def test_cast_transpose_parts_is_the_cast_of_the_concatenation():
+    """Each part cast straight into its columns of q and rows of qᵀ: bit for bit the cast of the parts side by side,
+    the transposed copy's padding columns zero, the amax over all parts."""
+    torch.manual_seed(0)
+    parts = [torch.randn(45, 64 + 16, dtype=torch.float16)[:, :64] * s for s in (1.0, 3.0, 0.5)]
+    states = [FP8State(), FP8State()]
+    for st in states:
+        st.scale[GRAD_Y] = 100.0
+    q, qt = fp8_kernels.cast_transpose_parts(parts, states[0], GRAD_Y)
+    q_ref, qt_ref = fp8_kernels.cast_transpose(torch.cat(parts, dim=1), states[1], GRAD_Y, row_major=True)
+    assert q.shape == (45, 192) and qt.shape == (192, 48)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), qt_ref.view(torch.uint8)) and not qt[:, 45:].float().any()
+    assert torch.equal(states[0].amax, states[1].amax) and states[0].amax[GRAD_Y] == max(p.abs().max() for p in parts)
+
+
+def test_fp8_linear_qkv_with_an_output_unused():
+    """An output nobody reads (autograd passes no gradient for it) counts as a zero gradient."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 144, dtype=torch.float16)
+    x = torch.randn(20, 32, dtype=torch.float16, requires_grad=True)
+    state = FP8State()
+    for _ in range(2):  # calibrating, then on delayed scales
+        q, k, v = fp8_linear_qkv(x, layer.weight, layer.bias, state)
+        (q.float().sum() + k.float().sum()).backward()
+        assert torch.isfinite(layer.weight.grad).all() and not layer.weight.grad[96:].any()
+        assert not layer.bias.grad[96:].any() and layer.bias.grad[:96].all()
+        layer.zero_grad(set_to_none=True)
+
+
+def test_fp8_linear_qkv_checks_its_thirds():
+    with pytest.raises(ValueError, match="N/3 and K multiples of 16"):  # (72 = 3 x 24)
+        fp8_linear_qkv(torch.randn(4, 32, dtype=torch.float16, requires_grad=True),
+                       torch.randn(72, 32, dtype=torch.float16), None, FP8State())
+    with torch.no_grad():  # (evaluation: the 16-bit linear, in thirds)
+        layer = torch.nn.Linear(32, 96, dtype=torch.float16)
+        x = torch.randn(4, 32, dtype=torch.float16)
+        assert all(torch.equal(a, b) for a, b in zip(fp8_linear_qkv(x, layer.weight, layer.bias, FP8State()),
+                                                     F.linear(x, layer.weight, layer.bias).chunk(3, -1)))
+
+
 # A GPT with fp8_reach="blocks" compiled with fullgraph, bit for bit the uncompiled one: tests/test_fp8.py's
 # test_fp8_gpt_compiles_fullgraph_and_trains_as_uncompiled (one compile for the MLP's and the linears' operators).
 
@@ -165,6 +244,13 @@ def test_the_switch_is_checked_and_keeps_checkpoints_loadable():
 @pytest.mark.parametrize("M,K,N", [(12288, 768, 2304), (12288, 768, 768), (1000 + 7, 256, 512)])
 def test_fp8_linear_matches_the_recipe_on_the_gpu(M, K, N):
     check_against_recipe(M, K, N, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("M", [12288, 1000 + 7])
+def test_fp8_linear_qkv_against_fp8_linear_chunked_on_the_gpu(M):
+    check_qkv_against_chunked(M, 768, 768, torch.bfloat16, "cuda", exact=False)
 
 
 @pytest.mark.gpu

@@ -104,12 +104,13 @@ def _store_quantized(v, offs_m, offs_n, n_ok, M, Mp, q_ptr, stride_q, qt_ptr, st
 
 
 @triton.jit
-def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, stride_xm, copy_from, copy_to,
+def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, stride_xm, stride_qm, copy_from, copy_to,
                           ROW_MAJOR: tl.constexpr, EMULATE: tl.constexpr, INT64: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr = True,
                           COPY: tl.constexpr = 0):
     """qt (C, Mp) = fp8(x · scale)ᵀ with zero columns past M (if TRANSPOSED), and (ROW_MAJOR) q (M, C) =
-    fp8(x · scale). The transposed copy is right for 16-bit x only: from fp32 x it came out wrong on an H100 and
+    fp8(x · scale), its rows stride_qm apart (wider than C when q is a column slice: cast_transpose_parts). The
+    transposed copy is right for 16-bit x only: from fp32 x it came out wrong on an H100 and
     an H200 with Triton 3.6 (quantize_weight_fused asks for the row-major one only). COPY > 0: the first program
     also copies COPY floats from copy_from to copy_to (the FP8 MLP's forward keeps its scales so, where a copy of
     its own was a graph node with a launch gap after it; git log -- lab/results/fp8_round23.txt)."""
@@ -125,7 +126,7 @@ def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, M, C, Mp, s
     if v.dtype.is_fp8():  # (transpose_fp8)
         v = to_fp16(v, EMULATE)
     v = v.to(tl.float32)
-    _store_quantized(v, offs_m, offs_c, offs_c < C, M, Mp, q_ptr, C, qt_ptr, Mp, tl.load(scale_ptr), amax_ptr,
+    _store_quantized(v, offs_m, offs_c, offs_c < C, M, Mp, q_ptr, stride_qm, qt_ptr, Mp, tl.load(scale_ptr), amax_ptr,
                      ROW_MAJOR, EMULATE, INT64, TRANSPOSED)
 
 
@@ -324,6 +325,21 @@ def cast_transpose(x2, state, slot, row_major=False, inv_scales=None):
     return (q if row_major else None), qt
 
 
+def cast_transpose_parts(parts, state, slot):
+    """(q (M, C), qt (C, Mp)) of the column-wise concatenation of parts ((M, C_i) each, unit column stride, any row
+    stride), quantized with the slot's one scale, without the concatenation ever being written: each part is cast
+    straight into its columns of q and its rows of qt (the attention's q, k and v gradients: linear.fp8_linear_qkv)."""
+    M, C = parts[0].shape[0], sum(p.shape[1] for p in parts)
+    qt = torch.empty((C, _padded(M)), device=parts[0].device, dtype=SLOT_DTYPES[slot])
+    q = torch.empty((M, C), device=qt.device, dtype=qt.dtype)
+    start = 0
+    for part in parts:
+        end = start + part.shape[1]
+        _cast_transpose_into(part, q[:, start:end], qt[start:end], *state.slot(slot)[:2], True, qt.shape[1])
+        start = end
+    return q, qt
+
+
 def _cast_transpose_into(x2, q, qt, scale, amax, row_major, Mp, transposed=True, copy=()):
     """cast_transpose_kernel: qt (C, Mp) if transposed and, if row_major, q (M, C) = x2 quantized with scale[0], amax
     folded in; copy: (source, destination), two contiguous fp32 tensors of 16 elements, or none."""
@@ -331,7 +347,7 @@ def _cast_transpose_into(x2, q, qt, scale, amax, row_major, Mp, transposed=True,
     bm, bc, warps = CAST_TILE[row_major]
     source, destination = copy or (None, None)
     launch(cast_transpose_kernel, (cdiv(Mp, bm), cdiv(C, bc)),
-           (x2, q, qt, scale, amax, M, C, Mp, x2.stride(0), source, destination),
+           (x2, q, qt, scale, amax, M, C, Mp, x2.stride(0), q.stride(0), source, destination),
            dict(ROW_MAJOR=row_major, EMULATE=env.INTERPRET, INT64=needs_int64(x2, q, qt), BLOCK_M=bm, BLOCK_C=bc,
                 TRANSPOSED=transposed, COPY=source.numel() if copy else 0), warps)
 

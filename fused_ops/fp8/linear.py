@@ -32,32 +32,41 @@ from torch import Tensor
 from ..mlp import _autocast
 from ..ops import fused_op
 from .autograd import _quantized_rows, _run, _state, _without_autocast
-from .kernels import E4M3, GRAD_Y, X, _padded, update_scales
-from .state import check_fp8_device, quantize_weight
+from .kernels import E4M3, GRAD_Y, X, _padded, cast_transpose_parts, update_scales
+from .state import _set_current_scale, check_fp8_device, quantize_weight
 
 
 @_without_autocast
 def _forward(x, bias, state, w8, w_inv):
     """(y (M, N), x8ᵀ, the 1/scales x was quantized with) for rows x (M, K) and W's FP8 copy w8 (N, K)."""
-    # the 1/scales, kept for the backward whatever updates come before it (copied by x's cast once calibrated)
-    inv = torch.empty_like(state.inv_scale) if state.calibrated else None
-    _, x8, xt8 = _quantized_rows(x, state, X, inv)
-    if inv is None:
-        inv = state.inv_scale.clone()
+    x8, xt8, inv = _quantized_input(x, state)
     y = torch._scaled_mm(x8, w8.t(), scale_a=inv[X, :1], scale_b=w_inv, bias=bias, out_dtype=x.dtype,
                          use_fast_accum=True)
     return y, xt8, inv
+
+
+def _quantized_input(x, state):
+    """(x8, x8ᵀ, the 1/scales x was quantized with: kept for the backward whatever updates come before it, copied by
+    x's cast once calibrated)."""
+    inv = torch.empty_like(state.inv_scale) if state.calibrated else None
+    _, x8, xt8 = _quantized_rows(x, state, X, inv)
+    return x8, xt8, (state.inv_scale.clone() if inv is None else inv)
 
 
 @_without_autocast
 def _backward(grad_y, xt8, w_t8, w_inv, inv, w_dtype, state, bias_grad, w_grad):
     """(dx, dW or None, db or None) for rows grad_y (M, N); dW in w_dtype; then the scales move on."""
     gy, gy8, gyt8 = _quantized_rows(grad_y, state, GRAD_Y)
+    return _gradient_gemms(gy8, gyt8, gy.sum(0) if bias_grad else None, xt8, w_t8, w_inv, inv, gy.dtype, w_dtype,
+                           state, w_grad)
+
+
+def _gradient_gemms(gy8, gyt8, grad_b, xt8, w_t8, w_inv, inv, dtype, w_dtype, state, w_grad):
+    """(dx, dW or None, db) from gy's FP8 copies; then the scales move on."""
     inv_gy = state.slot(GRAD_Y)[2]
-    grad_x = torch._scaled_mm(gy8, w_t8.t(), scale_a=inv_gy, scale_b=w_inv, out_dtype=gy.dtype)
+    grad_x = torch._scaled_mm(gy8, w_t8.t(), scale_a=inv_gy, scale_b=w_inv, out_dtype=dtype)
     grad_w = torch._scaled_mm(gyt8, xt8.t(), scale_a=inv_gy, scale_b=inv[X, :1], out_dtype=w_dtype) \
         if w_grad else None
-    grad_b = gy.sum(0) if bias_grad else None
     update_scales(state)
     state.calibrated = True
     return grad_x, grad_w, grad_b
@@ -137,20 +146,152 @@ def fp8_linear(x, weight, bias, state):
     weight (N, K) with N and K multiples of 16; state: the linear's own FP8State."""
     if not torch.is_grad_enabled() or x.numel() == 0:
         return F.linear(x, weight, bias)
-    compiling = torch.compiler.is_compiling()
-    if not compiling:  # (train.py checks the device before it compiles)
+    x, bias, x2 = _checked(x, weight, bias, 1)
+    if torch.compiler.is_compiling():  # the copies made in the graph, every call (inductor fuses quantize_weight):
+        # autograd.py says why
+        y = fp8_linear_forward_op(x2.contiguous(), weight, bias, *quantize_weight(weight), state.number)[0]
+    else:
+        y = FP8LinearFunction.apply(x2, weight, bias, state, *state.weights(weight))
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _checked(x, weight, bias, parts):
+    """(x and bias as the FP8 GEMMs take them, x as rows) after the checks fp8_reach="blocks" needs, each a clear
+    error; parts: how many equal outputs the weight's rows make (fp8_linear_qkv: 3)."""
+    if not torch.compiler.is_compiling():  # (train.py checks the device before it compiles)
         check_fp8_device(x.device, setting="fp8_reach='blocks'", instead="use fp8_reach='mlp'")
     x, bias = _autocast(x, bias)
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"fp8_reach='blocks' needs 16-bit activations (train under autocast, dtype bfloat16 or "
                         f"float16, or with a 16-bit model); x is {x.dtype}")
     N, K = weight.shape
-    if N % 16 or K % 16 or x.shape[-1] != K:
-        raise ValueError(f"fp8_reach='blocks' needs a weight (N, K) with N and K multiples of 16 (FP8 GEMMs take them "
-                         f"so) and x of width K; got weight {tuple(weight.shape)}, x {tuple(x.shape)}")
-    x2 = x.reshape(-1, K)
-    if compiling:  # the copies made in the graph, every call (inductor fuses quantize_weight): autograd.py says why
-        y = fp8_linear_forward_op(x2.contiguous(), weight, bias, *quantize_weight(weight), state.number)[0]
+    if N % (16 * parts) or K % 16 or x.shape[-1] != K:
+        sizes = "N and K multiples of 16" if parts == 1 else f"N/{parts} and K multiples of 16"
+        raise ValueError(f"fp8_reach='blocks' needs a weight (N, K) with {sizes} (FP8 GEMMs take them so) and x of "
+                         f"width K; got weight {tuple(weight.shape)}, x {tuple(x.shape)}")
+    return x, bias, x.reshape(-1, K)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The attention's input projection, q, k and v as three outputs.
+#
+# Why. As one (M, 3C) output split into q, k and v, c_attn's gradient is a concatenation: attention's backward
+# leaves dq, dk and dv in three tensors, and the graph would write them side by side into one (M, 3C) grad_y
+# (a gather kernel, 0.31 ms a GPT-2 small step on an H200) only for the FP8 cast to read it again. Returned
+# apart, q, k and v get their gradients apart, and kernels.cast_transpose_parts casts each straight into its
+# columns of gy8 and rows of gy8ᵀ, with the one scale of the layer's GRAD_Y slot. The forward makes them
+# with three GEMMs on W's thirds (an output of an operator cannot be a view of another); dx and dW stay one
+# GEMM each, on the whole gy8.
+
+
+@_without_autocast
+def _forward_qkv(x, bias, state, w8, w_inv):
+    """(q, k, v (M, N/3) each, x8ᵀ, the 1/scales) for rows x (M, K) and W's FP8 copy w8 (N, K)."""
+    x8, xt8, inv = _quantized_input(x, state)
+    n = w8.shape[0] // 3
+    q, k, v = (torch._scaled_mm(x8, w8[i * n:(i + 1) * n].t(), scale_a=inv[X, :1], scale_b=w_inv,
+                                bias=None if bias is None else bias[i * n:(i + 1) * n], out_dtype=x.dtype,
+                                use_fast_accum=True) for i in range(3))
+    return q, k, v, xt8, inv
+
+
+@_without_autocast
+def _backward_qkv(grad_q, grad_k, grad_v, xt8, w_t8, w_inv, inv, w_dtype, state, bias_grad, w_grad):
+    """(dx, dW or None, db or None) for the rows of q's, k's and v's gradients (M, N/3) each."""
+    parts = [g if g.stride(1) == 1 else g.contiguous() for g in (grad_q, grad_k, grad_v)]
+    if not state.calibrated:  # the slot's scale from the three parts' amax together
+        _set_current_scale(state, GRAD_Y, torch.stack([g.detach().abs().amax() for g in parts]))
+    gy8, gyt8 = cast_transpose_parts(parts, state, GRAD_Y)
+    grad_b = torch.cat([g.sum(0) for g in parts]) if bias_grad else None
+    return _gradient_gemms(gy8, gyt8, grad_b, xt8, w_t8, w_inv, inv, parts[0].dtype, w_dtype, state, w_grad)
+
+
+_backward_qkv.param_grads = (1, 2)
+
+
+def _present(grads, like):
+    """The outputs' gradients, a zero one where an output was not used (autograd passes None)."""
+    return [torch.zeros_like(like) if g is None else g for g in grads]
+
+
+class FP8QKVFunction(torch.autograd.Function):
+    """q, k, v = (x @ Wᵀ + b) in thirds, in FP8, outside torch.compile (the arguments as FP8LinearFunction's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state, w8, w_t8, w_inv):
+        q, k, v, xt8, inv = _forward_qkv(x, bias, state, w8, w_inv)
+        ctx.save_for_backward(xt8, w_t8, w_inv, inv, q)
+        ctx.state, ctx.w_dtype, ctx.has_bias = state, weight.dtype, bias is not None
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        *saved, q = ctx.saved_tensors
+        grad_x, grad_w, grad_b = _backward_qkv(*_present((grad_q, grad_k, grad_v), q), *saved, ctx.w_dtype,
+                                               ctx.state, ctx.has_bias and ctx.needs_input_grad[2],
+                                               ctx.needs_input_grad[1])
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+@fused_op("fp8_linear_qkv_forward")
+def fp8_linear_qkv_forward_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], w8: Tensor, w_t8: Tensor,
+                              w_inv: Tensor, state: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(q, k, v, then what backward needs: x8ᵀ, the 1/scales); as fp8_linear_forward_op."""
+    state = _state(state)
+    return _run(_forward_qkv, x, state, x, bias, state, w8, w_inv)
+
+
+@fp8_linear_qkv_forward_op.register_fake
+def _(x, weight, bias, w8, w_t8, w_inv, state):
+    n = weight.shape[0] // 3
+    return (*(x.new_empty(x.shape[0], n) for _ in range(3)),
+            x.new_empty(x.shape[1], _padded(x.shape[0]), dtype=E4M3), x.new_empty(4, 4, dtype=torch.float32))
+
+
+@fused_op("fp8_linear_qkv_backward")
+def fp8_linear_qkv_backward_op(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, xt8: Tensor, w_t8: Tensor,
+                               w_inv: Tensor, inv: Tensor, w_dtype: torch.dtype, state: int, bias_grad: bool,
+                               w_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW, db) from q's, k's and v's gradients; a gradient not asked for comes back empty."""
+    state = _state(state)
+    grads = _run(_backward_qkv, grad_q, state, grad_q, grad_k, grad_v, xt8, w_t8, w_inv, inv, w_dtype, state,
+                 bias_grad, w_grad)
+    return tuple(grad_q.new_empty(0) if g is None else g for g in grads)
+
+
+@fp8_linear_qkv_backward_op.register_fake
+def _(grad_q, grad_k, grad_v, xt8, w_t8, w_inv, inv, w_dtype, state, bias_grad, w_grad):
+    M, N, K = grad_q.shape[0], 3 * grad_q.shape[1], w_t8.shape[0]
+    return (grad_q.new_empty(M, K), grad_q.new_empty((N, K) if w_grad else (0,), dtype=w_dtype),
+            grad_q.new_empty(N if bias_grad else 0))
+
+
+def _setup_context_qkv(ctx, inputs, output):
+    x, weight, bias, w8, w_t8, w_inv, state = inputs
+    ctx.save_for_backward(output[3], w_t8, w_inv, output[4], output[0])
+    ctx.state, ctx.w_dtype, ctx.has_bias = state, weight.dtype, bias is not None
+
+
+def _op_backward_qkv(ctx, grad_q, grad_k, grad_v, *_):
+    bias_grad, w_grad = ctx.has_bias and ctx.needs_input_grad[2], ctx.needs_input_grad[1]
+    *saved, q = ctx.saved_tensors
+    grad_x, grad_w, grad_b = fp8_linear_qkv_backward_op.op(*_present((grad_q, grad_k, grad_v), q), *saved,
+                                                           ctx.w_dtype, ctx.state, bias_grad, w_grad)
+    return grad_x, grad_w if w_grad else None, grad_b if bias_grad else None, None, None, None, None
+
+
+torch.library.register_autograd("fused_mlp::fp8_linear_qkv_forward", _op_backward_qkv,
+                                setup_context=_setup_context_qkv)
+
+
+def fp8_linear_qkv(x, weight, bias, state):
+    """F.linear(x, weight, bias).chunk(3, -1) with FP8 GEMMs while training, as fp8_linear, returning q, k and v
+    as three tensors (..., N/3) whose gradients are cast apart (see above); N/3 a multiple of 16."""
+    if not torch.is_grad_enabled() or x.numel() == 0:
+        return F.linear(x, weight, bias).chunk(3, dim=-1)
+    x, bias, x2 = _checked(x, weight, bias, 3)
+    if torch.compiler.is_compiling():
+        q, k, v = fp8_linear_qkv_forward_op(x2.contiguous(), weight, bias, *quantize_weight(weight), state.number)[:3]
     else:
-        y = FP8LinearFunction.apply(x2, weight, bias, state, *state.weights(weight))
-    return y.view(*x.shape[:-1], N)
+        q, k, v = FP8QKVFunction.apply(x2, weight, bias, state, *state.weights(weight))
+    return tuple(t.view(*x.shape[:-1], weight.shape[0] // 3) for t in (q, k, v))
