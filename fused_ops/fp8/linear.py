@@ -1,5 +1,6 @@
 """The FP8 linear (model.GPTConfig's fp8_reach="blocks"): y = x @ Wᵀ + b with its three GEMMs in FP8, for the
 attention's two projections (c_attn, attn.c_proj), with the FP8 MLP's recipe (kernels.py's docstring) and state.
+c_attn goes through fp8_linear_qkv, the same linear with q, k and v returned apart (its section below says why).
 
 A linear with no activation has no epilogue to carry a cast, so this is the FP8 MLP's outer half on its own:
 
