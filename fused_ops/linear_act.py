@@ -24,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import backends
+from . import backends, env
 from .activations import activation, activation_and_grad, kernel_activations
 from .layernorm import layernorm_stats
-from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, split_columns,
-                     tile_ids, tiles, tma_operands)
-from .tuning import TRANSPOSE_WEIGHT_MIN_M, launch_matmul
+from .matmul import (check_buffer, column_offsets, dot_settings, matmul_loop, needs_int64, pair_descriptor, pairs_fit,
+                     split_columns, tile_ids, tiles, tma_operands)
+from .tuning import TRANSPOSE_WEIGHT_MIN_M, launch_matmul, matmul_configs
 
 
 @triton.jit
@@ -72,38 +72,51 @@ def linear_act_kernel(
     HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, FAST16: tl.constexpr,
     LN_FOLD: tl.constexpr, LN_WEIGHT: tl.constexpr, LN_BIAS: tl.constexpr,
     ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, INT64: tl.constexpr,
-    TMA: tl.constexpr, B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
+    TMA: tl.constexpr, B_KMAJOR: tl.constexpr, PAIRED: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    # One output tile per loop trip: one trip per program, or with a persistent grid (PERSISTENT, see
-    # matmul.tiles) a program walks tiles grid-stride, and with FLATTEN the compiler pipelines the next tile's
-    # loads under this tile's epilogue.
-    for tile in tl.range(tl.program_id(0), tiles(M, N, BLOCK_M, BLOCK_N), tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # B = W.T: step along K with W's column stride, along N with its row stride. The up half starts N rows
-        # down. With LN_FOLD, x is the raw input and each A tile is normalized as it is loaded (see matmul_loop).
-        z, z_up = matmul_loop(
-            x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-            N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
-            TMA=TMA, B_KMAJOR=B_KMAJOR, stats_ptr=stats_ptr, ln_w_ptr=ln_w_ptr, ln_b_ptr=ln_b_ptr,
-            LAYERNORM=LN_FOLD, LN_WEIGHT=LN_WEIGHT, LN_BIAS=LN_BIAS)
-        if SPLIT_EPILOGUE:  # the epilogue on one half of the tile's columns at a time
-            z_left, z_right = split_columns(z, BLOCK_M, BLOCK_N)
-            up_left, up_right = z_left, z_right
-            if GATED:
-                up_left, up_right = split_columns(z_up, BLOCK_M, BLOCK_N)
-            linear_act_epilogue(z_left, up_left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), M, N, b_ptr,
-                                out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
-                                HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
-            linear_act_epilogue(z_right, up_right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), M, N, b_ptr,
-                                out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
-                                HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
-        else:
-            linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
-                                ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
+    if PAIRED:  # gated, through TMA: one accumulator, gate columns left, up columns right (matmul_loop's B_PAIRS)
+        for tile in tl.range(tl.program_id(0), tiles(M, N, BLOCK_M, BLOCK_N // 2), tl.num_programs(0),
+                             flatten=FLATTEN):
+            pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N // 2, GROUP_M)
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            acc = matmul_loop(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * (BLOCK_N // 2), M, N, K, stride_xm, stride_xk,
+                              stride_wk, stride_wn, 0, ACC_DTYPE, PRECISION, EVEN_K, False, INT64, BLOCK_M, BLOCK_N,
+                              BLOCK_K, TMA=True, B_KMAJOR=True, B_PAIRS=True)[0]
+            z, z_up = split_columns(acc, BLOCK_M, BLOCK_N)
+            linear_act_epilogue(z, z_up, offs_m, column_offsets(pid_n, BLOCK_N // 2, 0, 1), M, N, b_ptr, out_ptr,
+                                saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE,
+                                ACC_DTYPE, INT64, FAST16)
+    else:
+        # One output tile per loop trip: one trip per program, or with a persistent grid (PERSISTENT, see
+        # matmul.tiles) a program walks tiles grid-stride, and with FLATTEN the compiler pipelines the next tile's
+        # loads under this tile's epilogue.
+        for tile in tl.range(tl.program_id(0), tiles(M, N, BLOCK_M, BLOCK_N), tl.num_programs(0), flatten=FLATTEN):
+            pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            # B = W.T: step along K with W's column stride, along N with its row stride. The up half starts N rows
+            # down. With LN_FOLD, x is the raw input and each A tile is normalized as it is loaded (see matmul_loop).
+            z, z_up = matmul_loop(
+                x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+                N if TMA else N * stride_wn, ACC_DTYPE, PRECISION, EVEN_K, GATED, INT64, BLOCK_M, BLOCK_N, BLOCK_K,
+                TMA=TMA, B_KMAJOR=B_KMAJOR, stats_ptr=stats_ptr, ln_w_ptr=ln_w_ptr, ln_b_ptr=ln_b_ptr,
+                LAYERNORM=LN_FOLD, LN_WEIGHT=LN_WEIGHT, LN_BIAS=LN_BIAS)
+            if SPLIT_EPILOGUE:  # the epilogue on one half of the tile's columns at a time
+                z_left, z_right = split_columns(z, BLOCK_M, BLOCK_N)
+                up_left, up_right = z_left, z_right
+                if GATED:
+                    up_left, up_right = split_columns(z_up, BLOCK_M, BLOCK_N)
+                linear_act_epilogue(z_left, up_left, offs_m, column_offsets(pid_n, BLOCK_N, 0, 2), M, N, b_ptr,
+                                    out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
+                                    HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
+                linear_act_epilogue(z_right, up_right, offs_m, column_offsets(pid_n, BLOCK_N, 1, 2), M, N, b_ptr,
+                                    out_ptr, saved_ptr, stride_om, stride_sm, ACTIVATION, UP_ACTIVATION, GATED,
+                                    HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
+            else:
+                linear_act_epilogue(z, z_up, offs_m, offs_n, M, N, b_ptr, out_ptr, saved_ptr, stride_om, stride_sm,
+                                    ACTIVATION, UP_ACTIVATION, GATED, HAS_BIAS, SAVE, ACC_DTYPE, INT64, FAST16)
 
 
 def linear_act_forward(x, weight, bias, activation, save=True, out=None, saved=None):
@@ -156,6 +169,13 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
         # The pointer loop feeds the tensor cores faster from an N-major B = W.T; a row-major (N, K) weight
         # is K-major. One transposed copy of W costs less than that saves in the main loop once M is large.
         weight = weight.t().contiguous().t()
+    # Gated, through TMA: the gate and up rows paired by the descriptor (matmul_loop's B_PAIRS), so that one dot of a
+    # plain tile makes both halves; on configs whose half tile divides N (git log: results/portable/ says why).
+    tile_dtype = x.dtype if x.element_size() > weight.element_size() else weight.dtype
+    paired = [c for c in matmul_configs(False, tile_dtype) if pairs_fit(N, c)] \
+        if gated and descriptors and b_kmajor and env.GATE_PAIRS else []
+    if paired:
+        descriptors = [descriptors[0], (1, lambda meta: pair_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"]), None)]
     acc_dtype, precision = dot_settings(weight.dtype)  # the dot's operands have the weight's dtype
     args = (x, weight, bias if bias is not None else weight, out, saved if save else out,
             stats if stats is not None else out, ln_weight if ln_weight is not None else weight,
@@ -164,11 +184,11 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
     consts = dict(ACTIVATION=act, UP_ACTIVATION=up_act, GATED=gated, HAS_BIAS=bias is not None, SAVE=save,
                   FAST16=weight.dtype in (torch.float16, torch.bfloat16), LN_FOLD=ln is not None, LN_WEIGHT=ln_weight is not None, LN_BIAS=ln_bias is not None,
                   ACC_DTYPE=acc_dtype, PRECISION=precision,
-                  INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor)
+                  INT64=needs_int64(x, weight, out, saved), TMA=bool(descriptors), B_KMAJOR=b_kmajor,
+                  PAIRED=bool(paired))
     key = ("linear_act", N, K, x.dtype, weight.dtype, weight.stride(), x.device, *consts.values())
-    # Tiles sized for the wider operand: an fp32 x (the fold under autocast) takes twice the shared
-    # memory per A tile of a 16-bit one.
-    tile_dtype = x.dtype if x.element_size() > weight.element_size() else weight.dtype
-    launch_matmul(linear_act_kernel, M, N, K, args, consts, gated, tile_dtype, key,
-                  descriptors=descriptors)
+    # Tiles sized for the wider operand (tile_dtype): an fp32 x (the fold under autocast) takes twice the shared
+    # memory per A tile of a 16-bit one. Paired, a tile's BLOCK_N spans both halves: the grid counts 2N columns.
+    launch_matmul(linear_act_kernel, M, 2 * N if paired else N, K, args, consts, gated and not paired, tile_dtype,
+                  key, descriptors=descriptors, configs=paired or None)
     return out, (saved if save else None), stats

@@ -47,7 +47,7 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, b2_offset,
                 ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TWO_B: tl.constexpr,
                 INT64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                TMA: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
+                TMA: tl.constexpr = False, B_KMAJOR: tl.constexpr = False, B_PAIRS: tl.constexpr = False,
                 stats_ptr=None, ln_w_ptr=None, ln_b_ptr=None, LAYERNORM: tl.constexpr = False,
                 LN_WEIGHT: tl.constexpr = False, LN_BIAS: tl.constexpr = False, UPCAST: tl.constexpr = False):
     """acc = A[off_m:off_m+BLOCK_M, :] @ B[:, off_n:off_n+BLOCK_N] over the whole K, for A (M, K) and B (K, N).
@@ -60,6 +60,11 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
       zeros, and leaves the warps free to issue MMAs. B is described by a (K, N) descriptor, or with
       B_KMAJOR by the (N, K) matrix it is the transpose of (a row-major weight); strides are unused.
       On Hopper it is the faster of the two loops (results/portable/).
+
+    With B_PAIRS (TMA, B K-major), b_ptr describes the gated weight [Wg; Wu] (2N, K) as (N / h, 2, h, K) blocks of
+    h = BLOCK_N / 2 rows (pair_descriptor): one load brings rows off_n .. off_n + h of both halves, which one dot
+    multiplies as a single BLOCK_N-wide B tile, so the accumulator holds the gate columns left and the up columns
+    right (off_n: in the output's columns, a multiple of h).
 
     With TWO_B, a second accumulator gets A @ B2 where B2 starts b2_offset elements after B (with TMA:
     b2_offset columns of B further along N, i.e. rows of a K-major weight): the gated
@@ -88,7 +93,10 @@ def matmul_loop(a_ptr, b_ptr, off_m, off_n, M, N, K,
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             a = a_ptr.load([off_m, k * BLOCK_K])
-            if B_KMAJOR:
+            if B_PAIRS:
+                b = b_ptr.load([off_n // (BLOCK_N // 2), 0, 0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K)
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            elif B_KMAJOR:
                 acc = tl.dot(a, b_ptr.load([off_n, k * BLOCK_K]).T, acc, input_precision=PRECISION)
                 if TWO_B:
                     acc2 = tl.dot(a, b_ptr.load([off_n + b2_offset, k * BLOCK_K]).T, acc2, input_precision=PRECISION)
@@ -196,6 +204,20 @@ def tma_operands(a, b_kn, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     if _tma_readable(b_kn.t(), dtypes):
         return [(0, a, ("BLOCK_M", "BLOCK_K")), (1, b_kn.t(), ("BLOCK_N", "BLOCK_K"))], True
     return [], False
+
+
+def pair_descriptor(weight, block_n, block_k):
+    """The tensor descriptor B_PAIRS reads (see matmul_loop): the gated weight (2N, K), row-major, as (N / h, 2, h, K)
+    with h = block_n / 2, block (1, 2, h, block_k). Needs N % h == 0 (pairs_fit)."""
+    n, k = weight.shape[0] // 2, weight.shape[1]
+    h = block_n // 2
+    view = weight.as_strided((n // h, 2, h, k), (h * weight.stride(0), n * weight.stride(0), weight.stride(0), 1))
+    return TensorDescriptor.from_tensor(view, [1, 2, h, block_k])
+
+
+def pairs_fit(n, cfg):
+    """Whether a config's tile pairs the gate and up rows of an N-row half (B_PAIRS): h = BLOCK_N / 2 divides N."""
+    return n % (cfg.kwargs["BLOCK_N"] // 2) == 0
 
 
 def dot_settings(dtype):

@@ -162,8 +162,8 @@ def _grid_and_args(cfg, M, N, args, descriptors):
     TMA operands turned into tensor descriptors."""
     meta = cfg.kwargs
     call_args = list(args)
-    for i, t, block in descriptors:
-        call_args[i] = TensorDescriptor.from_tensor(t, [meta[d] for d in block])
+    for i, t, block in descriptors:  # (t may build its own descriptor from the config: matmul.pair_descriptor)
+        call_args[i] = t(meta) if callable(t) else TensorDescriptor.from_tensor(t, [meta[d] for d in block])
     programs = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
     if meta.get("PERSISTENT"):
         programs = min(programs, meta["PERSISTENT"] * _processors())

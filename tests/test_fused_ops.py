@@ -103,6 +103,39 @@ def test_tma_main_loop(act, dtype, M, K, N, layout, monkeypatch):
     check_dgrad(grad_z, grad_bias, grad_y, w2, saved, act)
 
 
+@pytest.mark.parametrize("act", list(GATED_ACTIVATIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K,N", [(37, 48, 64), (70, 96, 32)])
+def test_gated_forward_pairs_the_gate_and_up_rows(act, dtype, M, K, N, monkeypatch):
+    """Through TMA, the gated forward reads the gate and up rows of a tile as one B tile (matmul_loop's B_PAIRS):
+    the accumulator's left half is the gate, its right half the up projection. Where the half tile does not divide
+    N (the shapes of test_tma_main_loop), and with FUSED_OPS_GATE_PAIRS=0, two accumulators as before."""
+    import importlib
+
+    import fused_ops.matmul
+
+    if fused_ops.matmul.TensorDescriptor is None:
+        pytest.skip("this Triton has no host-side tensor descriptors")
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs a Hopper GPU")
+    monkeypatch.setattr(fused_ops.env, "TMA_MODE", "1")
+    module = importlib.import_module("fused_ops.linear_act")
+    paired = []
+
+    def spy(kernel, *args, _real=module.launch_matmul, **kwargs):
+        paired.append(args[4]["PAIRED"])
+        return _real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(module, "launch_matmul", spy)
+    x, w, b = make((M, K), dtype), make((2 * N, K), dtype, K ** -0.5), make((2 * N,), dtype)
+    for pairs in (True, False):
+        monkeypatch.setattr(fused_ops.env, "GATE_PAIRS", pairs)
+        out, saved = poisoned((M, N), dtype, DEVICE), poisoned((M, 2 * N), dtype, DEVICE)
+        linear_act_forward(x, w, b, act, out=out, saved=saved)
+        check_linear_act(out, saved, x, w, b, act)
+    assert paired == [True, False]
+
+
 def test_tma_falls_back_to_pointers_for_unaligned_rows(monkeypatch):
     """Rows whose stride is not a multiple of 16 bytes cannot be described to TMA: the pointer loop runs."""
     import fused_ops.matmul

@@ -30,7 +30,7 @@ from fused_ops.activations import kernel_activations  # noqa: E402
 from fused_ops.dgrad import dgrad_kernel  # noqa: E402
 from fused_ops.fp8 import kernels as fp8k  # noqa: E402
 from fused_ops.linear_act import linear_act_kernel  # noqa: E402
-from fused_ops.matmul import dot_settings, tma_operands  # noqa: E402
+from fused_ops.matmul import dot_settings, pair_descriptor, pairs_fit, tma_operands  # noqa: E402
 from fused_ops.tuning import _config as C  # noqa: E402
 
 env.PINGPONG = False
@@ -103,12 +103,18 @@ def forward_rows(activation, pointer, quick):
             out.stride(0), saved.stride(0))
     base = dict(ACTIVATION=act, UP_ACTIVATION=up, GATED=gated, HAS_BIAS=True, SAVE=True, FAST16=True, LN_FOLD=False,
                 LN_WEIGHT=False, LN_BIAS=False, ACC_DTYPE=acc, PRECISION=prec, INT64=False, TMA=bool(desc),
-                B_KMAJOR=kmaj)
+                B_KMAJOR=kmaj, PAIRED=False)
     res = []
     cands = space(gated, pointer)[:3 if quick else None]
     for name, cfg in cands:
         res.append((name, run_cfg(linear_act_kernel, M, H, WIDTH, args, base, cfg, desc)))
-    best = min((r for r in res if isinstance(r[1], float)), key=lambda r: r[1])
+    if gated and desc and kmaj:  # the plain tiles, gate and up rows paired into one B tile (matmul_loop's B_PAIRS)
+        paired = [desc[0], (1, lambda meta: pair_descriptor(wt, meta["BLOCK_N"], meta["BLOCK_K"]), None)]
+        for name, cfg in named(PLAIN_SPACE)[:3 if quick else None]:
+            if pairs_fit(H, cfg):
+                res.append((f"paired {name}", run_cfg(linear_act_kernel, M, 2 * H, WIDTH, args,
+                                                      {**base, "PAIRED": True}, cfg, paired)))
+    best = min((r for r in res if isinstance(r[1], float) and not r[0].startswith("paired")), key=lambda r: r[1])
     bcfg = dict(cands)[best[0]]
     extra = [("best, old epilogue math (FAST16=False)", run_cfg(linear_act_kernel, M, H, WIDTH, args,
                                                                   {**base, "FAST16": False}, bcfg, desc)),
