@@ -110,8 +110,6 @@ def test_gated_forward_pairs_the_gate_and_up_rows(act, dtype, M, K, N, monkeypat
     """Through TMA, the gated forward reads the gate and up rows of a tile as one B tile (matmul_loop's B_PAIRS):
     the accumulator's left half is the gate, its right half the up projection. Where the half tile does not divide
     N (the shapes of test_tma_main_loop), and with FUSED_OPS_GATE_PAIRS=0, two accumulators as before."""
-    import importlib
-
     import fused_ops.matmul
 
     if fused_ops.matmul.TensorDescriptor is None:
@@ -119,6 +117,20 @@ def test_gated_forward_pairs_the_gate_and_up_rows(act, dtype, M, K, N, monkeypat
     if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs a Hopper GPU")
     monkeypatch.setattr(fused_ops.env, "TMA_MODE", "1")
+    paired = _paired_launches(monkeypatch)
+    x, w, b = make((M, K), dtype), make((2 * N, K), dtype, K ** -0.5), make((2 * N,), dtype)
+    for pairs in (True, False):
+        monkeypatch.setattr(fused_ops.env, "GATE_PAIRS", pairs)
+        out, saved = poisoned((M, N), dtype, DEVICE), poisoned((M, 2 * N), dtype, DEVICE)
+        linear_act_forward(x, w, b, act, out=out, saved=saved)
+        check_linear_act(out, saved, x, w, b, act)
+    assert paired == [True, False]
+
+
+def _paired_launches(monkeypatch):
+    """[whether the gated forward paired its rows] for each forward launch from here on."""
+    import importlib
+
     module = importlib.import_module("fused_ops.linear_act")
     paired = []
 
@@ -127,13 +139,7 @@ def test_gated_forward_pairs_the_gate_and_up_rows(act, dtype, M, K, N, monkeypat
         return _real(kernel, *args, **kwargs)
 
     monkeypatch.setattr(module, "launch_matmul", spy)
-    x, w, b = make((M, K), dtype), make((2 * N, K), dtype, K ** -0.5), make((2 * N,), dtype)
-    for pairs in (True, False):
-        monkeypatch.setattr(fused_ops.env, "GATE_PAIRS", pairs)
-        out, saved = poisoned((M, N), dtype, DEVICE), poisoned((M, 2 * N), dtype, DEVICE)
-        linear_act_forward(x, w, b, act, out=out, saved=saved)
-        check_linear_act(out, saved, x, w, b, act)
-    assert paired == [True, False]
+    return paired
 
 
 def test_tma_falls_back_to_pointers_for_unaligned_rows(monkeypatch):
@@ -183,6 +189,36 @@ def test_fused_mlp_output_and_all_gradients(act, dtype, bias):
     for name, f, e, r in zip(names, fused, eager, ref):
         assert f.shape == r.shape and f.dtype == e.dtype, name
         assert_no_worse_than_eager(f, e, r, f"{act} {dtype} {name}")
+
+
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+def test_fused_mlp_with_paired_gate_rows_under_autocast(act, monkeypatch):
+    """The gated forward with its rows paired (TMA, test_gated_forward_pairs_the_gate_and_up_rows) as training runs it:
+    fp32 masters under fp16 autocast, the output and every gradient within the rule of eager under the same autocast."""
+    import fused_ops.matmul
+
+    if fused_ops.matmul.TensorDescriptor is None:
+        pytest.skip("this Triton has no host-side tensor descriptors")
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs a Hopper GPU")
+    monkeypatch.setattr(fused_ops.env, "TMA_MODE", "1")
+    device_type = "cuda" if DEVICE == "cuda" else "cpu"
+    tensors = _mlp_tensors(torch.float32, act, C=48, H=64, shape=(3, 11, 48))
+    grad_y = make((3, 11, 48), torch.float32)
+
+    def under_autocast(fn):
+        def run(*t):
+            with torch.autocast(device_type, dtype=torch.float16):
+                return fn(*t).float()
+        return run
+
+    paired = _paired_launches(monkeypatch)
+    fused = _run_with_grads(under_autocast(lambda *t: fused_mlp(*t, act)), tensors, grad_y)
+    eager = _run_with_grads(under_autocast(lambda *t: _eager_mlp(*t, act)), tensors, grad_y)
+    ref = _run_with_grads(lambda *t: _eager_mlp(*t, act), [t.double() for t in tensors], grad_y.double())
+    for name, f, e, r in zip(["y", "grad_x", "grad_w_fc", "grad_b_fc", "grad_w_proj", "grad_b_proj"], fused, eager, ref):
+        assert_no_worse_than_eager(f, e, r, f"{act} autocast {name}", compute_dtype=torch.float16)
+    assert paired == [True]
 
 
 def test_non_contiguous_inputs():

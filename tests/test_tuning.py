@@ -262,7 +262,7 @@ def test_a_persistent_grid_computes_what_one_program_per_tile_does(monkeypatch, 
                 out.stride(0), saved.stride(0))
         consts = dict(ACTIVATION=act, UP_ACTIVATION=up, GATED=gated, HAS_BIAS=True, SAVE=True, FAST16=False,
                       LN_FOLD=False, LN_WEIGHT=False, LN_BIAS=False, ACC_DTYPE=acc, PRECISION=prec, INT64=False,
-                      TMA=False, B_KMAJOR=False)
+                      TMA=False, B_KMAJOR=False, PAIRED=False)
         tuning.run_config(linear_act_kernel, M, N, K, args, consts, cfg)
         return out, saved
 
