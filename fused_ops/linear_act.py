@@ -2,8 +2,10 @@
 
 Plain:  out = act(x @ W.T + b)                        W: (N, K)
 Gated:  out = gate_act(x @ Wg.T + bg) * up_act(x @ Wu.T + bu), with W = [Wg; Wu]: (2N, K)
-        Both halves of an output tile are computed by the same program from one read of x (two
-        accumulators), so the gate and up projections never travel through global memory separately.
+        Both halves of an output tile are computed by the same program from one read of x, so the gate
+        and up projections never travel through global memory separately: through TMA as one accumulator
+        whose B tile pairs h gate rows with the h up rows beside them (matmul_loop's B_PAIRS), through
+        pointers as two accumulators.
 When backward will need it, the kernel also saves the local derivative of the output, dh/dz, and nothing
 else: act'(z) for a plain activation; [up_act(u)·gate_act'(g) | gate_act(g)·up_act'(u)] for a gated one
 (h = gate_act(g)·up_act(u) depends on g and u elementwise). Computed here, beside h, it shares work with it
@@ -170,7 +172,8 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
         # is K-major. One transposed copy of W costs less than that saves in the main loop once M is large.
         weight = weight.t().contiguous().t()
     # Gated, through TMA: the gate and up rows paired by the descriptor (matmul_loop's B_PAIRS), so that one dot of a
-    # plain tile makes both halves; on configs whose half tile divides N (git log: results/portable/ says why).
+    # plain tile makes both halves, on the plain tiles whose half divides N (faster than two accumulators:
+    # results/portable/sweep_paired_h200.txt).
     tile_dtype = x.dtype if x.element_size() > weight.element_size() else weight.dtype
     paired = [c for c in matmul_configs(False, tile_dtype) if pairs_fit(N, c)] \
         if gated and descriptors and b_kmajor and env.GATE_PAIRS else []

@@ -4,7 +4,9 @@
 
 For each kernel of the core (the plain and gated forward, their dgrads, the FP8 forward and dgrad) and each main
 loop (TMA and pointers), every candidate config of a wider space than tuning.matmul_configs: tile, warps, stages,
-split epilogue, persistent grid (programs per SM) and flattened loop. Also, on one config each: the epilogue's
+split epilogue, persistent grid (programs per SM) and flattened loop; for the gated forward through TMA also the plain
+space with the gate and up rows paired into one B tile ("paired", matmul_loop's B_PAIRS). --loops tma (or pointer)
+times one main loop only. Also, on one config each: the epilogue's
 activation math the old way (FAST16=False: libdevice erf for the value and again for the derivative), and no dh/dz
 saved, to see where the time goes. The peers: cuBLAS's plain GEMM of each shape, and cuBLASLt's bias + GELU epilogue
 (torch._addmm_activation). Floors: FLOPs at the measured matmul peak, bytes at the measured copy bandwidth. GPU
