@@ -78,7 +78,9 @@ def linear_act_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    if PAIRED:  # gated, through TMA: one accumulator, gate columns left, up columns right (matmul_loop's B_PAIRS)
+    # PAIRED: gated, through TMA: one accumulator, gate columns left, up columns right (matmul_loop's B_PAIRS). Its
+    # epilogue is whole on the two halves (SPLIT_EPILOGUE is not read: a split and a whole config are one kernel).
+    if PAIRED:
         for tile in tl.range(tl.program_id(0), tiles(M, N, BLOCK_M, BLOCK_N // 2), tl.num_programs(0),
                              flatten=FLATTEN):
             pid_m, pid_n = tile_ids(tile, M, N, BLOCK_M, BLOCK_N // 2, GROUP_M)

@@ -209,7 +209,7 @@ def test_cast_transpose_parts_is_the_cast_of_the_concatenation():
 
 
 def test_fp8_linear_qkv_with_an_output_unused():
-    """An output nobody reads (autograd passes no gradient for it) counts as a zero gradient."""
+    """An output nobody reads gets a zero gradient (autograd materializes it): its weight rows and bias get none."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(32, 144, dtype=torch.float16)
     x = torch.randn(20, 32, dtype=torch.float16, requires_grad=True)

@@ -105,18 +105,22 @@ def test_tma_main_loop(act, dtype, M, K, N, layout, monkeypatch):
 
 @pytest.mark.parametrize("act", list(GATED_ACTIVATIONS))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,K,N", [(37, 48, 64), (70, 96, 32)])
-def test_gated_forward_pairs_the_gate_and_up_rows(act, dtype, M, K, N, monkeypatch):
+@pytest.mark.parametrize("M,K,halves", [(37, 48, 4), (70, 96, 2), (37, 48, 1.5)])
+def test_gated_forward_pairs_the_gate_and_up_rows(act, dtype, M, K, halves, monkeypatch):
     """Through TMA, the gated forward reads the gate and up rows of a tile as one B tile (matmul_loop's B_PAIRS):
-    the accumulator's left half is the gate, its right half the up projection. Where the half tile does not divide
-    N (the shapes of test_tma_main_loop), and with FUSED_OPS_GATE_PAIRS=0, two accumulators as before."""
+    the accumulator's left half is the gate, its right half the up projection. N = halves x the tile's half width;
+    where that half does not divide N (halves 1.5), and with FUSED_OPS_GATE_PAIRS=0, two accumulators as before.
+    (On a GPU the Hopper kernels are switched off: they would take the launch first.)"""
     import fused_ops.matmul
+    import fused_ops.tuning
 
     if fused_ops.matmul.TensorDescriptor is None:
         pytest.skip("this Triton has no host-side tensor descriptors")
     if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs a Hopper GPU")
     monkeypatch.setattr(fused_ops.env, "TMA_MODE", "1")
+    monkeypatch.setattr(fused_ops.env, "PINGPONG", False)
+    N = int(halves * fused_ops.tuning.matmul_configs(False, dtype)[0].kwargs["BLOCK_N"] // 2)
     paired = _paired_launches(monkeypatch)
     x, w, b = make((M, K), dtype), make((2 * N, K), dtype, K ** -0.5), make((2 * N,), dtype)
     for pairs in (True, False):
@@ -124,7 +128,7 @@ def test_gated_forward_pairs_the_gate_and_up_rows(act, dtype, M, K, N, monkeypat
         out, saved = poisoned((M, N), dtype, DEVICE), poisoned((M, 2 * N), dtype, DEVICE)
         linear_act_forward(x, w, b, act, out=out, saved=saved)
         check_linear_act(out, saved, x, w, b, act)
-    assert paired == [True, False]
+    assert paired == [halves == int(halves), False]
 
 
 def _paired_launches(monkeypatch):
@@ -202,6 +206,7 @@ def test_fused_mlp_with_paired_gate_rows_under_autocast(act, monkeypatch):
     if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs a Hopper GPU")
     monkeypatch.setattr(fused_ops.env, "TMA_MODE", "1")
+    monkeypatch.setattr(fused_ops.env, "PINGPONG", False)  # (on a GPU the Hopper kernels would take it first)
     device_type = "cuda" if DEVICE == "cuda" else "cpu"
     tensors = _mlp_tensors(torch.float32, act, C=48, H=64, shape=(3, 11, 48))
     grad_y = make((3, 11, 48), torch.float32)

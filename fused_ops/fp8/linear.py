@@ -211,7 +211,8 @@ _backward_qkv.param_grads = (1, 2)
 
 
 def _present(grads, like):
-    """The outputs' gradients, a zero one where an output was not used (autograd passes None)."""
+    """The outputs' gradients, a zero one for any that comes as None. Autograd materializes zeros for an output nobody
+    used, so this is a guard, not a path the tests reach. (like: q, which attention's backward holds anyway.)"""
     return [torch.zeros_like(like) if g is None else g for g in grads]
 
 

@@ -218,6 +218,8 @@ def main():
     print(f"{'cpu (smoke)' if SMOKE else torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"{time.strftime('%Y-%m-%d')}\nmeasured: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.0f} GB/s")
     parts = args.parts.split(",")
+    if not set(args.loops.split(",")) <= {"tma", "pointer"}:
+        ap.error(f"--loops takes tma, pointer or both, comma-separated; got {args.loops!r}")
     loops = [loop == "pointer" for loop in args.loops.split(",")]
     for activation in args.activations.split(","):
         gated = activation == "swiglu"
