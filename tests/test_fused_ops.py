@@ -129,6 +129,17 @@ def test_gated_forward_pairs_the_gate_and_up_rows(act, dtype, M, K, halves, monk
         linear_act_forward(x, w, b, act, out=out, saved=saved)
         check_linear_act(out, saved, x, w, b, act)
     assert paired == [halves == int(halves), False]
+    # NaN and ±inf in x: the paired kernel gives the pattern of the two-accumulator one (tested against the math in
+    # test_nan_and_inf_reach_output_and_gradients), element for element
+    x[3, 5], x[5, 7], x[6, 1] = float("nan"), float("inf"), -float("inf")
+    runs = []
+    for pairs in (True, False):
+        monkeypatch.setattr(fused_ops.env, "GATE_PAIRS", pairs)
+        runs.append(linear_act_forward(x, w, b, act))
+    for a, e in zip(*runs):
+        assert torch.equal(torch.isnan(a), torch.isnan(e)) and torch.equal(torch.isinf(a), torch.isinf(e))
+        assert torch.equal(a[torch.isinf(a)], e[torch.isinf(e)])
+        torch.testing.assert_close(a[torch.isfinite(a)], e[torch.isfinite(e)], rtol=1e-2, atol=1e-3)
 
 
 def _paired_launches(monkeypatch):
