@@ -123,18 +123,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         # fp8_reach="blocks": both projections in FP8 while training, each with its delayed scales (not saved)
-        self.fp8 = self.fp8_ops = None
+        self.fp8 = self.fp8_qkv = self.fp8_linear = None
         if config.fp8_reach == "blocks":
             fused_ops = import_fused_ops(required=True)
             self.fp8 = nn.ModuleList([fused_ops.FP8State(), fused_ops.FP8State()])
-            self.fp8_ops = (fused_ops.fp8_linear_qkv, fused_ops.fp8_linear)
+            self.fp8_qkv, self.fp8_linear = fused_ops.fp8_linear_qkv, fused_ops.fp8_linear
 
     def forward(self, x, cache=None):
         B, T, C = x.size()
         if self.fp8 is None:
             q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         else:  # q, k and v as three outputs, so that their gradients are cast apart, never concatenated
-            q, k, v = self.fp8_ops[0](x, self.c_attn.weight, self.c_attn.bias, self.fp8[0])
+            q, k, v = self.fp8_qkv(x, self.c_attn.weight, self.c_attn.bias, self.fp8[0])
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         mask, causal = None, True
         if cache is not None:
@@ -149,7 +149,7 @@ class CausalSelfAttention(nn.Module):
         if self.fp8 is None:
             y = self.c_proj(y)
         else:
-            y = self.fp8_ops[1](y, self.c_proj.weight, self.c_proj.bias, self.fp8[1])
+            y = self.fp8_linear(y, self.c_proj.weight, self.c_proj.bias, self.fp8[1])
         return self.resid_dropout(y)
 
 

@@ -50,8 +50,8 @@ from .mlp import (FusedMLPFunction, LinearActFunction, check_mlp_args, fused_mlp
 from .classifier import linear_cross_entropy
 from .adamw import FusedAdamW
 from . import hopper  # noqa: F401  (after the core: registers the Hopper kernels with backends)
-from .fp8 import (FP8State, check_fp8_device, fp8_layers_as_function, fp8_linear, fp8_linear_qkv, fp8_linear_cross_entropy, fp8_mlp,
-                  fp8_supported)
+from .fp8 import (FP8State, check_fp8_device, fp8_layers_as_function, fp8_linear, fp8_linear_qkv,
+                  fp8_linear_cross_entropy, fp8_mlp, fp8_supported)
 from .graphs import MLPGraphs, graphs_usable
 from .layers import AutoMLP, FP8MLP, FusedMLP, fp8_graphs_usable
 

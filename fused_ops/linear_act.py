@@ -22,6 +22,8 @@ more than the mean's digits. Normalizing before the dot, rather than folding γ,
 subtracting mean·colsum(W) from its result, also leaves no cancellation after the fact.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -177,8 +179,7 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
     # plain tile makes both halves, on the plain tiles whose half divides N (faster than two accumulators:
     # results/portable/sweep_paired_h200.txt).
     tile_dtype = x.dtype if x.element_size() > weight.element_size() else weight.dtype
-    paired = [c for c in matmul_configs(False, tile_dtype) if pairs_fit(N, c)] \
-        if gated and descriptors and b_kmajor and env.GATE_PAIRS else []
+    paired = _paired_configs(N, tile_dtype) if gated and descriptors and b_kmajor and env.GATE_PAIRS else []
     if paired:
         descriptors = [descriptors[0], (1, lambda meta: pair_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"]), None)]
     acc_dtype, precision = dot_settings(weight.dtype)  # the dot's operands have the weight's dtype
@@ -197,3 +198,17 @@ def _launch(x, weight, bias, activation, save, out, saved, ln=None):
     launch_matmul(linear_act_kernel, M, 2 * N if paired else N, K, args, consts, gated and not paired, tile_dtype,
                   key, descriptors=descriptors, configs=paired or None)
     return out, (saved if save else None), stats
+
+
+@functools.lru_cache(maxsize=None)  # (on the launch path: the list is built once a shape)
+def _paired_configs(n, dtype):
+    """The plain tiles that pair an n-row gated half (pairs_fit), each tile once: the paired kernel does not read
+    SPLIT_EPILOGUE, so a config that differs from another only there is the same kernel and is not timed twice."""
+    configs, seen = [], set()
+    for c in matmul_configs(False, dtype):
+        kernel = (tuple(sorted((k, v) for k, v in c.kwargs.items() if k != "SPLIT_EPILOGUE")), c.num_warps,
+                  c.num_stages, c.maxnreg)
+        if pairs_fit(n, c) and kernel not in seen:
+            seen.add(kernel)
+            configs.append(c)
+    return configs

@@ -16,4 +16,5 @@ from .kernels import E4M3, E5M2, FP8_MAX, GRAD_Y, GRAD_Z, H, SLOT_DTYPES, X
 from .state import FP8State, check_fp8_device, fp8_supported
 
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "GRAD_Y", "GRAD_Z", "H", "SLOT_DTYPES", "X", "FP8State", "check_fp8_device",
-           "fp8_layers_as_function", "fp8_linear", "fp8_linear_qkv", "fp8_linear_cross_entropy", "fp8_mlp", "fp8_supported"]
+           "fp8_layers_as_function", "fp8_linear", "fp8_linear_qkv", "fp8_linear_cross_entropy", "fp8_mlp",
+           "fp8_supported"]
