@@ -75,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--compile", default="False,True",
                     help="compile settings to run: False, True (torch.compile's default mode) or a torch.compile "
                          "mode, e.g. reduce-overhead (CUDA graphs: no per-kernel host time)")
+    ap.add_argument("--compile_regions", action="store_true",
+                    help="compile each block apart, as train.py's compile_regions=True (helpers/runtime.py)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (per round, with --rounds)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -159,7 +161,7 @@ def make_step(model_args, state, mlp, compiled, batches, args, dtype):
     device_type = args.device.split(":")[0]
     opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device_type)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    step_model = runtime.wrap_model(model, compiled, world, device_type, args.bucket_mb)  # as train.py
+    step_model = runtime.wrap_model(model, compiled, world, device_type, args.bucket_mb, args.compile_regions)
     autocast = torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # (as train.py)
     cfg = {"compile": compiled, "grad_clip": config.DEFAULTS["grad_clip"]}

@@ -299,6 +299,11 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_caches[i] if kv_caches else None)
+        return self.output(x, targets)
+
+    def output(self, x, targets=None):
+        """The last LayerNorm, then the logits, the loss, or both (a method of its own: compile_regions in
+        helpers/runtime.py compiles it as one region)."""
         x = self.transformer.ln_f(x)
         if targets is None:  # inference: only the last position's logits are needed
             return self.lm_head(x[:, [-1], :]), None

@@ -102,7 +102,7 @@ def train(cfg, ckpt, argv, device, rank, world):
         progress = checkpoint.Progress()
         if ckpt is not None:  # the optimizer, the iteration and every process's random streams continue
             progress = checkpoint.resume(ckpt, cfg, optimizer, scaler, batches, rank, world, device_type)
-        model = runtime.wrap_model(raw_model, cfg["compile"], world, device_type)
+        model = runtime.wrap_model(raw_model, cfg["compile"], world, device_type, regions=cfg["compile_regions"])
 
     log = RunLog(cfg["out_dir"], master, progress.last_saved, cfg)
     log.write({"type": "run", "iter": progress.iter_num, "resumed": ckpt is not None, "world_size": world,

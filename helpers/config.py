@@ -78,6 +78,7 @@ DEFAULTS = dict(
     device="auto",  # "auto" (cuda > mps > cpu), "cpu", "cuda", "cuda:1", "mps"
     dtype="auto",  # "auto" (bf16 on GPUs that have it, else fp16 on cuda, fp32 elsewhere) | bfloat16 | float16 | float32
     compile=False,  # True (torch.compile), or a torch.compile mode: "reduce-overhead" adds CUDA graphs
+    compile_regions=False,  # with compile: each block compiled apart, once for all (a shorter start; runtime.py)
     seed=1337,  # each process adds its rank
     # extras
     sample_after=False,  # print a short sample when training ends

@@ -90,22 +90,44 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the torch.compile mode
 BUCKET_MB = 100
 
 
-def wrap_model(model, compile, world, device_type, bucket_cap_mb=BUCKET_MB):
+def wrap_model(model, compile, world, device_type, bucket_cap_mb=BUCKET_MB, regions=False):
     """The model a training step runs: DDP-wrapped when world > 1, then compiled as asked (compile: False, True or a
     torch.compile mode). DDP goes inside torch.compile, so that compile splits the graph at DDP's gradient buckets
     and each bucket's all-reduce can run while the backward computes the next (docs/performance.md); CUDA-graph modes
     then graph each piece. No buffer broadcast: the only buffers are the FP8 MLP's scales, which each process keeps
-    for itself (docs/numerics.md). bucket_cap_mb: DDP's gradient bucket size (docs/performance.md)."""
+    for itself (docs/numerics.md). bucket_cap_mb: DDP's gradient bucket size (docs/performance.md).
+    regions: compile the model's blocks and output apart (compile_regions: a shorter start), DDP around them."""
+    if compile and regions:
+        compile_regions(model, compile)
     if world > 1:
         # (torch 2.13 renamed broadcast_buffers; a sync at start-up is harmless: every process starts uncalibrated)
         no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else "broadcast_buffers"
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
                     gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb, **{no_sync: False})
-    if compile:
+    if compile and not regions:
         inductor_fix.apply()  # (a race in some of Inductor's LayerNorm kernels above width 1024)
         cache_autograd_functions()
         model = torch.compile(model, mode=None if compile in (True, "default") else compile)
     return model
+
+
+def compile_regions(model, compile):
+    """Regional compilation, in place: each block of a GPT and its output (GPT.output) compiled apart, the rest
+    (the embeddings, the loop over blocks) left eager. The blocks share one forward, so torch.compile traces and
+    Inductor compiles one block and the others reuse its code: the cold start's compile shrinks by about the number of
+    blocks (docs/performance.md, start-up). What it gives up: fusion across a block's edge (the residual add that
+    ends one block and the LayerNorm that starts the next are two kernels), and under CUDA graphs one graph a block.
+    FP8State.number (the FP8 layers' operators find their state by it) differs between blocks: as a plain int
+    attribute of a module torch.compile would specialize on it and compile every block again, so module ints are
+    let become dynamic (one recompile, the second block's, then shared)."""
+    import torch._dynamo.config as dynamo_config
+    inductor_fix.apply()
+    cache_autograd_functions()
+    dynamo_config.allow_unspec_int_on_nn_module = True
+    mode = None if compile in (True, "default") else compile
+    for block in model.transformer.h:
+        block.compile(mode=mode)
+    model.output = torch.compile(model.output, mode=mode)
 
 
 def cache_autograd_functions():
