@@ -94,10 +94,14 @@ def run_steps(rank, world, device, compile, accum, mlp, fp8, dtype):
     raw = GPT(model_config(mlp, fp8)).to(device)
     device_type = device.split(":")[0]
     torch._dynamo.reset()
+    regions = isinstance(compile, str) and compile.startswith("regions:")  # "regions:reduce-overhead": compile_regions
+    if regions:
+        compile = compile.removeprefix("regions:")
+        compile = True if compile == "True" else compile
     if compile == "aot_eager":  # the CPU's stand-in for inductor: DDP split at its buckets, no kernels compiled
         model = torch.compile(runtime.wrap_model(raw, False, world, device_type, bucket_cap_mb=1), backend=compile)
     else:
-        model = runtime.wrap_model(raw, compile, world, device_type, bucket_cap_mb=1)  # several buckets (1 MB: the least DDPOptimizer takes)
+        model = runtime.wrap_model(raw, compile, world, device_type, bucket_cap_mb=1, regions=regions)  # several buckets (1 MB: the least DDPOptimizer takes)
     optimizer = raw.configure_optimizers(0.1, 0.0, (0.9, 0.95), device_type)
     if device_type == "cpu":  # the GPUs' optimizer here too (FusedAdamW, through the interpreter): the clipped steps
         # below hand it grad_scale, and under DDP its gradients are views of the buckets

@@ -112,3 +112,38 @@ def test_a_changed_autograd_function_misses_the_cache(tmp_path, monkeypatch):
         torch.compile(lambda x: F.apply(x).sum())(x).backward()
         seen.append((x.grad[0].item(), counters["aot_autograd"]["autograd_cache_hit"]))
     assert seen == [(2.0, 0), (2.0, 1), (3.0, 0)]
+
+
+@pytest.mark.parametrize("config", [dict(), dict(mlp="fused", fp8=True, fp8_reach="blocks", classifier="fp8")])
+def test_compile_regions_compiles_one_block_for_all(config, monkeypatch):
+    """compile_regions (train.py's compile_regions=True): each block compiled apart, and the blocks share one
+    compiled graph, so the cold start compiles one block, not n_layer. FP8: the layers' operators carry their state's
+    number, an int attribute that differs between blocks; left static it would compile every block anew (two graphs:
+    the first block's, then one with the number dynamic that the rest share). The loss and gradients are the whole
+    model's compiled as one graph. (aot_eager stands in for Inductor: the question is what Dynamo traces.)"""
+    from torch._dynamo.utils import counters
+    from helpers import runtime
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: compile_(fn, backend="aot_eager"))
+    import torch._dynamo.config as dynamo_config
+    monkeypatch.setattr(dynamo_config, "allow_unspec_int_on_nn_module", False)  # (compile_regions sets it)
+    torch.manual_seed(0)
+    cfg = dict(block_size=16, vocab_size=64, n_layer=3, n_head=2, n_embd=32, dropout=0.0, **config)
+    whole, regional = GPT(GPTConfig(**cfg)), GPT(GPTConfig(**cfg))
+    regional.load_state_dict(whole.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    losses = []
+    for model, regions in ((whole, False), (regional, True)):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = runtime.wrap_model(model, True, 1, "cpu", regions=regions)
+        assert (compiled is model) == regions  # regions: compiled in place
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = compiled(idx, idx)[1]
+        loss.backward()
+        losses.append(loss.item())
+    block_graphs = 2 if config else 1
+    assert counters["stats"]["unique_graphs"] == block_graphs + 1, dict(counters["stats"])  # + GPT.output's
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for (name, p), q in zip(whole.named_parameters(), regional.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -77,6 +77,7 @@ def test_ddp_steps_match_one_process_over_gloo(tmp_path):
 GPU_CASES = [(compile, accum, "fused", False) for compile in (False, True, "reduce-overhead") for accum in (1, 2, 4)]
 GPU_CASES += [(compile, accum, "fused", True) for compile in (True, "reduce-overhead") for accum in (1, 2)]
 GPU_CASES += [("reduce-overhead", 2, "fused+cls8", "blocks")]  # the fastest setting: every linear in FP8
+GPU_CASES += [("regions:reduce-overhead", 2, "fused+cls8", "blocks")]  # the same, compile_regions (DDP around blocks)
 
 
 @pytest.mark.gpu
@@ -88,7 +89,8 @@ def test_ddp_steps_match_one_process_on_two_gpus(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", [("reduce-overhead", 1, "fused", False), ("reduce-overhead", 1, "fused+cls8", "blocks"),
-                                  ("reduce-overhead", 2, "fused", False)])
+                                  ("reduce-overhead", 2, "fused", False), ("regions:reduce-overhead", 1, "fused+cls8", "blocks"),
+                                  ("regions:reduce-overhead", 2, "fused", False), ("regions:True", 2, "eager", False)])
 def test_one_process_steps_under_cuda_graphs(case):
     """One process under CUDA graphs: with one micro-step the gradients are handed over from the graphs' memory, with
     two they are accumulated in place (runtime.zero_grads). A gradient that a replay overwrote before the optimizer
