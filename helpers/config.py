@@ -277,6 +277,9 @@ def check(cfg):
     need(0.0 <= cfg["dropout"] < 1.0, f"config key 'dropout' must be in [0, 1), got {cfg['dropout']}")
     need(isinstance(cfg["compile"], bool) or cfg["compile"] in COMPILE_MODES,
          f"config key 'compile' must be True, False or one of {', '.join(COMPILE_MODES)}; got {cfg['compile']!r}")
+    need(not cfg["compile_regions"] or cfg["compile"],
+         "config key 'compile_regions' compiles the blocks apart under torch.compile: it needs compile=True or a "
+         "compile mode; got compile=False")
     try:  # model.py validates mlp, activation, n_embd % n_head: ask it now, before any data is prepared
         GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
     except ValueError as e:

@@ -148,3 +148,6 @@ def test_compile_takes_booleans_or_a_mode():
     config.check(parse("--compile=reduce-overhead"))
     with pytest.raises(ConfigError, match="config key 'compile' must be True, False or one of default, reduce-overhead"):
         config.check(parse("--compile=fast"))
+    config.check(parse("--compile=reduce-overhead", "--compile_regions=True"))
+    with pytest.raises(ConfigError, match="config key 'compile_regions' .* needs compile=True or a compile mode"):
+        config.check(parse("--compile_regions=True"))
