@@ -45,6 +45,8 @@ from .backends import FallbackWarning
 from .tuning import LaunchPlan
 
 BLOCK = 1024  # elements a program updates (8 a thread, two 16-byte vectors): the fastest of those tried (results/glue/)
+# On the CPU interpreter (tests, CPU runs) each program is emulated in numpy at a fixed cost: fewer, larger blocks.
+INTERPRETER_BLOCK = 32768
 NUM_WARPS = 4
 FAILURE = None  # the exception that turned the kernel off for this process, if one did
 
@@ -110,7 +112,7 @@ class _Plan:
     def __init__(self, params):
         self.device = params[0].device
         self.numels = [p.numel() for p in params]
-        self.block, self.num_warps = BLOCK, NUM_WARPS
+        self.block, self.num_warps = BLOCK if self.device.type == "cuda" else INTERPRETER_BLOCK, NUM_WARPS
         blocks = [triton.cdiv(n, self.block) for n in self.numels]
         self.n_blocks = sum(blocks)
         self.block_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32),

@@ -11,12 +11,13 @@ import warnings
 import pytest
 import torch
 
-from fused_ops.adamw import BLOCK, FusedAdamW
+from fused_ops.adamw import BLOCK, INTERPRETER_BLOCK, FusedAdamW
 from fused_ops.numerics import EPS, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # A kernel that fails would fall back to PyTorch's fused AdamW and pass most tests: here that is an error.
 pytestmark = pytest.mark.filterwarnings("error::fused_ops.backends.FallbackWarning")
+BLOCK = BLOCK if DEVICE == "cuda" else INTERPRETER_BLOCK  # (a program's block on this device)
 SIZES = [(1,), (7, 3), (BLOCK + 5,), (33, 129)]  # one element, odd shapes, a tensor of two blocks with a tail
 ALIGNED_SIZES = [(4,), (64, 12), (BLOCK + 4,), (8, 96)]  # numels of whole 16 bytes: the kernel's vector-load path
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
