@@ -370,7 +370,8 @@ def estimate_loss(model, batches, cfg, autocast, device, rank, world):
 def print_sample(raw_model, meta, autocast, device, iter_num):
     encode, decode = data.get_tokenizer(meta)
     raw_model.eval()
-    with autocast:
+    # eager, as without compile_regions (which compiled raw_model's blocks in place): no graphs for each length
+    with autocast, torch.compiler.set_stance("force_eager"):
         start = data.start_ids(meta, encode)  # a newline, or the first token if the vocabulary has none
         out = raw_model.generate(torch.tensor([start], device=device), 300, temperature=0.8, top_k=200)
     ids = [i for i in out[0].tolist() if i < meta["vocab_size"]]  # padded-vocab rows have no text
