@@ -140,9 +140,11 @@ def setup(args):
 
 
 def label(row):
-    """A variant's name in tables and charts: "fused", "fused +compile", "fused +reduce-overhead"."""
+    """A variant's name in tables and charts: "fused", "fused +compile", "fused +reduce-overhead", and with
+    --compile_regions "fused +compile regions" (each block compiled apart)."""
     c = row["compile"]
-    return row["mlp"] + ("" if not c else " +compile" if c is True else f" +{c}")
+    regions = " regions" if c and row.get("regions") else ""
+    return row["mlp"] + ("" if not c else " +compile" if c is True else f" +{c}") + regions
 
 
 def make_step(model_args, state, mlp, compiled, batches, args, dtype):
@@ -226,7 +228,8 @@ def start_variant(model_args, state, mlp, compiled, batches, args, dtype):
         torch.cuda.empty_cache()
     t_build = time.perf_counter()
     model, step = make_step(model_args, state, mlp, compiled, batches, args, dtype)
-    run = {"mlp": mlp, "compile": compiled, "model": model, "step": step, "cuda": args.device.startswith("cuda"),
+    run = {"mlp": mlp, "compile": compiled, "regions": args.compile_regions, "model": model, "step": step,
+           "cuda": args.device.startswith("cuda"),
            "i": 0, "losses": [], "warmup": [], "timed": [], "rounds": []}
     run["warmup"] = timed_steps(run, 1, timed=False)
     run["to_first_step_s"] = time.perf_counter() - t_build
@@ -265,7 +268,7 @@ def summarize(run, batches, memory=True):
     tokens = sum(x.numel() for x, _ in batches[0])
     mfu = run["model"].estimate_mfu(len(batches[0]) * batches[0][0][0].size(0), dt)
     cuda = run["cuda"] and memory
-    return {"mlp": run["mlp"], "compile": run["compile"], "ms_per_step": dt * 1e3, "tokens_per_s": tokens / dt,
+    return {"mlp": run["mlp"], "compile": run["compile"], "regions": run["regions"], "ms_per_step": dt * 1e3, "tokens_per_s": tokens / dt,
             "mfu": mfu, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
             # reserved by the caching allocator: includes the private pools CUDA graphs (reduce-overhead)
             # allocate from, which the allocated figure leaves out

@@ -145,6 +145,8 @@ def test_compile_settings_and_labels():
     assert [bench.compile_setting(c) for c in ("False", "True", "reduce-overhead")] == [False, True, "reduce-overhead"]
     assert [bench.label({"mlp": "fused", "compile": c}) for c in (False, True, "reduce-overhead")] == \
         ["fused", "fused +compile", "fused +reduce-overhead"]
+    assert [bench.label({"mlp": "fused", "compile": c, "regions": True}) for c in (False, True, "reduce-overhead")] == \
+        ["fused", "fused +compile regions", "fused +reduce-overhead regions"]  # (regions only where it compiles)
     assert [bench.parse_variant(v) for v in ("fused", "fp8+compile", "eager+reduce-overhead")] == \
         [("fused", False), ("fp8", True), ("eager", "reduce-overhead")]  # (the lab's probes' variant names)
     with pytest.raises(bench.errors.UsageError, match="--mlp_widths takes --compile=True and/or False"):
