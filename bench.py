@@ -268,8 +268,9 @@ def summarize(run, batches, memory=True):
     tokens = sum(x.numel() for x, _ in batches[0])
     mfu = run["model"].estimate_mfu(len(batches[0]) * batches[0][0][0].size(0), dt)
     cuda = run["cuda"] and memory
-    return {"mlp": run["mlp"], "compile": run["compile"], "regions": run["regions"], "ms_per_step": dt * 1e3, "tokens_per_s": tokens / dt,
-            "mfu": mfu, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+    return {"mlp": run["mlp"], "compile": run["compile"], "regions": run["regions"], "ms_per_step": dt * 1e3,
+            "tokens_per_s": tokens / dt, "mfu": mfu,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
             # reserved by the caching allocator: includes the private pools CUDA graphs (reduce-overhead)
             # allocate from, which the allocated figure leaves out
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30 if cuda else None,
