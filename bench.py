@@ -229,8 +229,7 @@ def start_variant(model_args, state, mlp, compiled, batches, args, dtype):
     t_build = time.perf_counter()
     model, step = make_step(model_args, state, mlp, compiled, batches, args, dtype)
     run = {"mlp": mlp, "compile": compiled, "regions": args.compile_regions, "model": model, "step": step,
-           "cuda": args.device.startswith("cuda"),
-           "i": 0, "losses": [], "warmup": [], "timed": [], "rounds": []}
+           "cuda": args.device.startswith("cuda"), "i": 0, "losses": [], "warmup": [], "timed": [], "rounds": []}
     run["warmup"] = timed_steps(run, 1, timed=False)
     run["to_first_step_s"] = time.perf_counter() - t_build
     run["warmup"] += timed_steps(run, args.warmup - 1, timed=False)

@@ -28,24 +28,30 @@ from helpers import runtime, stopping
 from model import GPT, GPTConfig
 from tests import fast_interpreter
 
-VOCAB, T, BATCH = 96, 32, 4
+VOCAB = 96
+# (sequence length, micro-batch size): on the CPU 16 x 2, where the interpreter runs the fused classifier one program
+# per row
+SHAPE = {"cuda": (32, 4), "cpu": (16, 2)}
 # Steps checked at lr 0: on GPUs 4 (under CUDA graphs a warm-up run, the capture, then replays), on the CPU 2 (the
 # second shows that the first step's gradients were cleared; no graphs there)
 GRAD_STEPS = {"cuda": 4, "cpu": 2}
 
 
-def model_config(mlp, fp8=False):
+def model_config(mlp, fp8=False, device="cuda"):
     """mlp as bench.py names variants: "eager", "fused", with "+cls" the fused classifier, "+cls8" its FP8 form;
-    fp8: False, True (the MLP in FP8) or "blocks" (fp8_reach="blocks": the attention's projections too)."""
+    fp8: False, True (the MLP in FP8) or "blocks" (fp8_reach="blocks": the attention's projections too). On the CPU
+    2 layers (1.6 MB of float32 parameters: still 2 DDP buckets of 1 MB), on GPUs 4."""
     mlp, cls, eight = mlp.partition("+cls")
-    return GPTConfig(block_size=T, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=128, mlp=mlp, fp8=bool(fp8),
+    layers = 2 if device.startswith("cpu") else 4
+    return GPTConfig(block_size=SHAPE[device.split(":")[0]][0], vocab_size=VOCAB, n_layer=layers, n_head=4, n_embd=128, mlp=mlp, fp8=bool(fp8),
                      fp8_reach="blocks" if fp8 == "blocks" else "mlp", dropout=0.0, bias=True,
                      classifier="fp8" if eight == "8" else "fused" if cls else "eager")
 
 
 def micro_batch(step, index, device):
     g = torch.Generator().manual_seed(1000 * step + index)
-    xy = torch.randint(0, VOCAB, (BATCH, T + 1), generator=g)
+    t, batch = SHAPE[device.split(":")[0]]
+    xy = torch.randint(0, VOCAB, (batch, t + 1), generator=g)
     return xy[:, :-1].contiguous().to(device), xy[:, 1:].contiguous().to(device)
 
 
@@ -72,7 +78,7 @@ def reference_grads(step, micro_batches, device, dtype, mlp="eager", fp8=False):
     """One uncompiled process's gradient of step's micro-batches (all of them, each loss / their count): dtype
     float64 (the reference) or float32 runs the model in that dtype, a 16-bit one under autocast."""
     torch.manual_seed(0)
-    model = GPT(model_config(mlp, fp8)).to(device, dtype=torch.float64 if dtype == torch.float64 else None)
+    model = GPT(model_config(mlp, fp8, device)).to(device, dtype=torch.float64 if dtype == torch.float64 else None)
     device_type = device.split(":")[0]
     wide = dtype in (torch.float64, torch.float32)
     for i in range(micro_batches):
@@ -91,7 +97,7 @@ def run_steps(rank, world, device, compile, accum, mlp, fp8, dtype):
     """(this process's flat gradient after each of GRAD_STEPS' steps at lr 0, its flat parameters after 3 more steps
     at a real learning rate), train.py's step under DDP."""
     torch.manual_seed(0)
-    raw = GPT(model_config(mlp, fp8)).to(device)
+    raw = GPT(model_config(mlp, fp8, device)).to(device)
     device_type = device.split(":")[0]
     torch._dynamo.reset()
     regions = isinstance(compile, str) and compile.startswith("regions:")  # "regions:reduce-overhead": compile_regions

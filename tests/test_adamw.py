@@ -61,9 +61,8 @@ def run(optimizer_class, params, grads_per_step, grad_scale=None, **kwargs):
 
 @pytest.mark.parametrize("grad_scale", [None, 4.0])
 @pytest.mark.parametrize("sizes", [SIZES, ALIGNED_SIZES], ids=["odd", "aligned"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_matches_float64_adamw(seed, sizes, grad_scale):
-    params, grads = make(seed, sizes=sizes)
+def test_matches_float64_adamw(sizes, grad_scale):
+    params, grads = make(0, sizes=sizes)
     ref = reference_adamw(params, grads, decays=[True, True, False, False], grad_scale=grad_scale or 1.0,
                           **HYPER)
     ours, opt = run(FusedAdamW, params, grads, grad_scale)

@@ -1,6 +1,7 @@
 """The Hopper ping-pong kernel (fused_ops/pingpong.py): it compiles for sm_90 with the installed Triton
 (on any machine), and on a Hopper GPU it computes what the eager path does, no worse than it."""
 
+import json
 import math
 import os
 import subprocess
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 COMPILE_FOR_SM90 = """
-import sys, torch, triton, warnings
+import json, sys, traceback, torch, triton, warnings
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import mangle_type
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -38,44 +39,58 @@ def compile_for_sm90(args, consts, tiles, device):  # stands in for the launch
     kernel = triton.compile(GluonASTSource(pp.pingpong_kernel, signature, constexprs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=pp.CONSUMER_WARPS, maxnreg=pp.MAXNREG))
-    print("shared", kernel.metadata.shared)
+    shared.append(kernel.metadata.shared)
 
 pp._run = compile_for_sm90
 warnings.simplefilter("error", pp.FallbackWarning)  # a failure must fail this test, not fall back
-op, act, up_act, gated, bias = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1"
-M, K, N = 1000, 200, 520
-t = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)
-rows = 2 * N if gated else N
-if op == "forward":
-    pp.linear_act_forward(t(M, K), t(rows, K), t(rows) if bias else None, act, up_act, gated, bias, t(M, N), t(M, rows))
-elif op in ("forward_fp8", "dgrad_fp8", "forward_fp8_in", "dgrad_fp8_in"):  # (FP8 in: rows of 16 bytes)
-    K, N, inv = 256, 512, (torch.ones(1), torch.ones(1))
-    e4m3 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)
-    e5m2 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e5m2)
+shared = []  # compile_for_sm90's: each kernel's shared memory (bytes)
+
+
+def compile_case(op, act, up_act, gated, bias):
+    M, K, N = 1000, 200, 520
+    t = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)
     rows = 2 * N if gated else N
-    if op == "forward_fp8":
-        fp8_pp.linear_act_forward_fp8(e4m3(M, K), e4m3(rows, K), inv, t(rows) if bias else None, act, e4m3(M, N),
-                                  e4m3(N, 1008), t(M, rows), torch.ones(1), torch.ones(1), up_act, gated)
-    elif op == "dgrad_fp8":
-        fp8_pp.dgrad_fp8(e5m2(M, K), e4m3(N, K), inv, t(M, rows), e5m2(M, rows), e5m2(rows, 1008), bias, torch.ones(1),
-                     torch.ones(1), gated)
-    elif op == "forward_fp8_in":  # 16-bit outputs (the fallback when an FP8 output fails: then a cast pass)
-        pp.linear_act_forward(e4m3(M, K), e4m3(rows, K), t(rows) if bias else None, act, up_act, gated, bias,
-                              t(M, N), t(M, rows), inv=inv)
+    if op == "forward":
+        pp.linear_act_forward(t(M, K), t(rows, K), t(rows) if bias else None, act, up_act, gated, bias, t(M, N), t(M, rows))
+    elif op in ("forward_fp8", "dgrad_fp8", "forward_fp8_in", "dgrad_fp8_in"):  # (FP8 in: rows of 16 bytes)
+        K, N, inv = 256, 512, (torch.ones(1), torch.ones(1))
+        e4m3 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)
+        e5m2 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e5m2)
+        rows = 2 * N if gated else N
+        if op == "forward_fp8":
+            fp8_pp.linear_act_forward_fp8(e4m3(M, K), e4m3(rows, K), inv, t(rows) if bias else None, act, e4m3(M, N),
+                                      e4m3(N, 1008), t(M, rows), torch.ones(1), torch.ones(1), up_act, gated)
+        elif op == "dgrad_fp8":
+            fp8_pp.dgrad_fp8(e5m2(M, K), e4m3(N, K), inv, t(M, rows), e5m2(M, rows), e5m2(rows, 1008), bias, torch.ones(1),
+                         torch.ones(1), gated)
+        elif op == "forward_fp8_in":  # 16-bit outputs (the fallback when an FP8 output fails: then a cast pass)
+            pp.linear_act_forward(e4m3(M, K), e4m3(rows, K), t(rows) if bias else None, act, up_act, gated, bias,
+                                  t(M, N), t(M, rows), inv=inv)
+        else:
+            pp.dgrad(e5m2(M, K), e4m3(N, K), t(M, rows), t(M, rows), gated, bias, inv=inv)
+    elif op == "lse":  # the classifier's logits GEMM, 16-bit or FP8 in (act says which)
+        inv = (torch.ones(1), torch.ones(1)) if act == "fp8" else None
+        a = (lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)) if inv else t
+        assert pp.logits_lse(a(M, 256), a(N, 256), t(M, N), inv) is not None
     else:
-        pp.dgrad(e5m2(M, K), e4m3(N, K), t(M, rows), t(M, rows), gated, bias, inv=inv)
-elif op == "lse":  # the classifier's logits GEMM, 16-bit or FP8 in (act says which)
-    inv = (torch.ones(1), torch.ones(1)) if act == "fp8" else None
-    a = (lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)) if inv else t
-    assert pp.logits_lse(a(M, 256), a(N, 256), t(M, N), inv) is not None
-else:
-    pp.dgrad(t(M, K), t(K, N), t(M, rows), t(M, rows), gated, bias)
+        pp.dgrad(t(M, K), t(K, N), t(M, rows), t(M, rows), gated, bias)
+
+
+results = {}
+for case in json.loads(sys.argv[1]):  # [op, act, up_act, gated, bias]: one process compiles them all
+    shared.clear()
+    pp.FAILURE = pp.LOGITS_FAILURE = fp8_pp.FP8_FAILURE = None  # (one case's failure turns the kernel off: not here)
+    try:
+        op, act, up_act, gated, bias = case
+        compile_case(op, act, up_act, bool(gated), bool(bias))
+        results[" ".join(map(str, case))] = {"shared": max(shared)}
+    except Exception:
+        results[" ".join(map(str, case))] = {"error": traceback.format_exc()[-3000:]}
+print(json.dumps(results))
 """
 
 
-@pytest.mark.skipif(not pingpong.AVAILABLE and "TRITON_INTERPRET" not in os.environ,
-                    reason="this Triton has no Gluon")
-@pytest.mark.parametrize("op,act,up_act,gated,bias", [
+SM90_CASES = [
     ("forward", "gelu", "identity", 0, 1), ("forward", "relu2", "identity", 0, 0),
     ("forward", "silu", "identity", 1, 1), ("forward", "sigmoid", "tanh", 1, 0),
     ("forward_fp8", "gelu", "identity", 0, 1), ("forward_fp8", "relu2", "identity", 0, 0),
@@ -85,19 +100,29 @@ else:
     ("forward_fp8_in", "silu", "identity", 1, 1), ("forward_fp8_in", "gelu", "identity", 0, 0),
     ("dgrad_fp8_in", "identity", "identity", 1, 1), ("dgrad_fp8_in", "identity", "identity", 1, 0),
     ("dgrad", "identity", "identity", 0, 1), ("dgrad", "identity", "identity", 0, 0),
-    ("dgrad", "identity", "identity", 1, 1), ("lse", "bf16", "identity", 0, 0), ("lse", "fp8", "identity", 0, 0)])
-def test_compiles_for_hopper(op, act, up_act, gated, bias):
-    """Compiled (not run) for sm_90 through the real launcher, in a process without the interpreter:
-    catches a Triton whose Gluon API moved (TMA copy names, warp_specialize) or a variant whose shared
-    memory outgrew an H100's before a Hopper user does. Triton bundles ptxas. (bias also means save.)"""
+    ("dgrad", "identity", "identity", 1, 1), ("lse", "bf16", "identity", 0, 0), ("lse", "fp8", "identity", 0, 0)]
+
+
+@pytest.mark.skipif(not pingpong.AVAILABLE and "TRITON_INTERPRET" not in os.environ,
+                    reason="this Triton has no Gluon")
+def test_compiles_for_hopper():
+    """Every case of SM90_CASES (op, activation, up activation, gated, bias) compiled (not run) for sm_90 through the
+    real launcher, in one process without the interpreter (one start of torch and Triton for all of them): catches a
+    Triton whose Gluon API moved (TMA copy names, warp_specialize) or a variant whose shared memory outgrew an H100's
+    before a Hopper user does. Triton bundles ptxas. (bias also means save.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90, op, act, up_act, str(int(gated)), str(bias)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90, json.dumps(SM90_CASES)],
+                          env=env, capture_output=True, text=True, timeout=600)
     if "No module named 'triton.experimental.gluon" in done.stderr:
         pytest.skip("this Triton has no Gluon")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) <= 227 * 1024  # an H100's shared memory per block
+    built = json.loads(done.stdout.splitlines()[-1])
+    assert len(built) == len(SM90_CASES)
+    failed = {case: b["error"] for case, b in built.items() if "error" in b}
+    assert not failed, "\n".join(f"{case}:\n{error}" for case, error in failed.items())
+    too_big = {case: b["shared"] for case, b in built.items() if b["shared"] > 227 * 1024}  # an H100's per block
+    assert not too_big, too_big
 
 
 def test_descriptor_cache_keeps_no_tensor():

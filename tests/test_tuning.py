@@ -241,7 +241,7 @@ def test_persistent_configs_can_be_left_out(monkeypatch):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-@pytest.mark.parametrize("programs", [1, 2, 3])
+@pytest.mark.parametrize("programs", [1, 3])  # (2 or 6 programs for the 35 tiles: 4 adds no case)
 def test_a_persistent_grid_computes_what_one_program_per_tile_does(monkeypatch, activation, programs):
     """The same tiles walked by fewer programs (a persistent grid, flattened or not) give bit for bit the output of one
     program per tile, for the forward and the dgrad (whose bias sums are written per row-tile): every tile visited
