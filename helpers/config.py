@@ -240,6 +240,7 @@ def load(argv, defaults=DEFAULTS, key_types=KEY_TYPES):
         return None, None
     ckpt = None
     if cfg["init_from"] == "resume":
+        given = cfg  # this command line's own settings
         path = checkpoint.path(cfg["out_dir"])
         if not os.path.isfile(path):
             raise ConfigError(f"init_from='resume' but there is no checkpoint at {path}")
@@ -248,6 +249,8 @@ def load(argv, defaults=DEFAULTS, key_types=KEY_TYPES):
         # checkpoint was found, not where it was first written (the folder may have been renamed).
         base = {**defaults, **{k: v for k, v in ckpt["config"].items() if k in defaults}}
         cfg = dict(parse_config(base, argv, key_types), out_dir=cfg["out_dir"])
+        if not cfg["compile"] and not given["compile_regions"]:  # --compile=False turns off the run's
+            cfg["compile_regions"] = False  # compile_regions too, unless this command line asks for it
         fix_architecture(cfg, ckpt["model_args"], base, "on resume: the checkpoint's model has")
     check(cfg)
     return cfg, ckpt

@@ -151,3 +151,21 @@ def test_compile_takes_booleans_or_a_mode():
     config.check(parse("--compile=reduce-overhead", "--compile_regions=True"))
     with pytest.raises(ConfigError, match="config key 'compile_regions' .* needs compile=True or a compile mode"):
         config.check(parse("--compile_regions=True"))
+
+
+def test_resume_with_compile_off_turns_the_checkpoints_compile_regions_off(tmp_path):
+    """A run trained with --compile_regions resumes with --compile=False as asked (its compile_regions goes with its
+    compile), where it stopped on 'compile_regions needs compile'; asked for on the command line, it still does."""
+    from helpers import checkpoint
+    run = {**config.DEFAULTS, "compile": True, "compile_regions": True}
+    arch = {k: run[k] for k in config.ARCH_KEYS if k in run}
+    ckpt = {"model": {}, "optimizer": {}, "model_args": {**arch, "vocab_size": 65}, "config": run, "meta": {},
+            "iter_num": 10, "best_val_loss": 2.0, "rng": {}}
+    checkpoint.save(ckpt, checkpoint.path(str(tmp_path)))
+    resume = ["--init_from=resume", f"--out_dir={tmp_path}"]
+    cfg, _ = config.load(resume)
+    assert cfg["compile"] is True and cfg["compile_regions"] is True  # (the checkpoint's settings)
+    cfg, _ = config.load([*resume, "--compile=False"])
+    assert cfg["compile"] is False and cfg["compile_regions"] is False
+    with pytest.raises(ConfigError, match="'compile_regions'.*needs compile=True"):
+        config.load([*resume, "--compile=False", "--compile_regions=True"])
