@@ -32,6 +32,29 @@ def script(*args, timeout=120):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=timeout)
 
 
+def main_in_process(monkeypatch, capsys, name, *args):
+    """A script's __main__ block (`python <name> args`) run in this process, from the repository's root: a
+    CompletedProcess-like (returncode, stdout, stderr) for one_line_error. For the errors raised before any work,
+    where a subprocess only added an interpreter importing torch (seconds each); each script's own process is still
+    run by one test at least: train.py by test_fused_mlp_where_the_kernels_cannot_run, test_damaged_checkpoint_... and
+    the Ctrl-C tests, sample.py by test_a_bad_value_from_a_shell_..., bench.py by test_bad_arguments_are_one_line_...,
+    bench_mlp.py by test_bench_mlp_needs_a_gpu."""
+    import runpy
+    import types
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", [name, *args])
+    capsys.readouterr()
+    try:
+        runpy.run_path(os.path.join(ROOT, name), run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return types.SimpleNamespace(returncode=status, stdout=out, stderr=err)
+
+
 def one_line_error(proc, script_name, status):
     """The error line, after checking that it is the only output on stderr and that the exit status is right."""
     lines = proc.stderr.strip().splitlines()
@@ -71,12 +94,13 @@ def test_train_names_a_missing_device(dataset, tmp_path, device):
     assert not os.listdir(tmp_path)  # checked before anything was written
 
 
-def test_scripts_name_a_missing_device(tmp_path):
+def test_scripts_name_a_missing_device(tmp_path, monkeypatch, capsys):
     import bench
     import sample
 
     device = missing_devices()[0]
-    line = one_line_error(script("train.py", "configs/shakespeare_char_cpu.py", f"--device={device}"), "train.py", 2)
+    line = one_line_error(main_in_process(monkeypatch, capsys, "train.py", "configs/shakespeare_char_cpu.py",
+                                          f"--device={device}"), "train.py", 2)
     assert f"--device={device}, but" in line
     with pytest.raises(errors.UsageError, match=f"--device={device}, but"):
         sample.main([f"--out_dir={tmp_path}", f"--device={device}"])
@@ -319,7 +343,7 @@ def test_a_resumed_run_says_from_where_and_counts_in_the_singular(trained, tmp_p
 
 # --- damaged and foreign checkpoints ---------------------------------------------------------------------------
 
-def test_damaged_checkpoint_names_the_file_and_the_older_one(trained, tmp_path):
+def test_damaged_checkpoint_names_the_file_and_the_older_one(trained, tmp_path, monkeypatch, capsys):
     out = copy_run(trained, tmp_path)
     path = os.path.join(out, "ckpt.pt")
     with open(path, "r+b") as f:  # a copy cut short
@@ -327,7 +351,8 @@ def test_damaged_checkpoint_names_the_file_and_the_older_one(trained, tmp_path):
     line = one_line_error(script("train.py", "--init_from=resume", f"--out_dir={out}"), "train.py", 1)
     assert f"checkpoint {path} is damaged" in line
     assert f"mv {path}.prev {path} to continue from its iter 2" in line, line
-    line = one_line_error(script("sample.py", f"--out_dir={out}", "--device=cpu"), "sample.py", 1)
+    line = one_line_error(main_in_process(monkeypatch, capsys, "sample.py", f"--out_dir={out}", "--device=cpu"),
+                          "sample.py", 1)
     assert f"checkpoint {path} is damaged" in line and "iter 2" in line
     # following the advice works
     os.replace(path + ".prev", path)
@@ -345,11 +370,12 @@ def test_damaged_checkpoint_without_an_older_one(trained, tmp_path):
             train.main(["--init_from=resume", f"--out_dir={out}"])
 
 
-def test_foreign_checkpoint(trained, tmp_path):
+def test_foreign_checkpoint(trained, tmp_path, monkeypatch, capsys):
     out = copy_run(trained, tmp_path)
     path = os.path.join(out, "ckpt.pt")
     torch.save({"weights": torch.zeros(3)}, path)  # somebody's tensors, not a train.py checkpoint
-    line = one_line_error(script("train.py", "--init_from=resume", f"--out_dir={out}"), "train.py", 2)
+    line = one_line_error(main_in_process(monkeypatch, capsys, "train.py", "--init_from=resume", f"--out_dir={out}"),
+                          "train.py", 2)
     assert f"{path} is not a train.py checkpoint (it has no model, optimizer, model_args" in line
     assert "the one before it is intact" in line
     torch.save(torch.nn.Linear(2, 2), path)  # a pickled module: weights_only loading refuses it
@@ -366,11 +392,12 @@ def test_each_save_keeps_the_one_before(trained):
 
 # --- a checkpoint whose vocabulary is not the dataset's --------------------------------------------------------
 
-def test_resume_on_another_vocabulary(trained, tmp_path):
+def test_resume_on_another_vocabulary(trained, tmp_path, monkeypatch, capsys):
     (tmp_path / "other.txt").write_text("abcdefg hijk\n" * 400)  # another, smaller character set
     prepare_data.prepare(str(tmp_path / "other"), source=str(tmp_path / "other.txt"), tokenizer="char")
     out = copy_run(trained, tmp_path)
-    proc = script("train.py", "--init_from=resume", f"--out_dir={out}", f"--dataset={tmp_path / 'other'}")
+    proc = main_in_process(monkeypatch, capsys, "train.py", "--init_from=resume", f"--out_dir={out}",
+                           f"--dataset={tmp_path / 'other'}")
     line = one_line_error(proc, "train.py", 2)
     assert f"{os.path.join(out, 'ckpt.pt')} was trained on a char vocabulary of" in line
     assert f"dataset '{tmp_path / 'other'}'" in line and "a char vocabulary of 13" in line and "--dataset=" in line
