@@ -59,9 +59,9 @@ def bench(fn, device="cuda", **kw):
     if device.startswith("cuda"):
         return do_bench(fn, warmup=50, rep=200, return_mode="median", **kw)
     # CPU (tests; the kernels under TRITON_INTERPRET): do_bench needs a GPU driver, and a few wall-clock
-    # runs exercise the same code. The numbers mean little there.
+    # runs (one to warm up) exercise the same code. The numbers mean little there.
     times = []
-    for _ in range(4):
+    for _ in range(2):
         for t in kw.get("grad_to_none") or []:
             t.grad = None
         t0 = time.perf_counter()

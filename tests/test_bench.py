@@ -111,9 +111,10 @@ def test_bench_rounds_interleave_the_variants(tmp_path, monkeypatch):
 def test_bench_mlp_widths(tmp_path, capsys):
     """--mlp_widths on CPU at tiny sizes: a row per width, activation and path; fused forward equals eager's."""
     out = str(tmp_path / "widths")
-    rows = bench.main(["--mlp_widths=32,64", "--mlp_tokens=32,32", f"--device={DEVICE}", "--dtype=float32", "--compile=False", f"--out={out}"])
+    rows = bench.main(["--mlp_widths=16,64", "--mlp_tokens=16,32", f"--device={DEVICE}", "--dtype=float32",
+                       "--compile=False", f"--out={out}"])
     assert {(r["C"], r["activation"], r["path"]) for r in rows} == \
-        {(C, a, p) for C in (32, 64) for a in ("gelu", "swiglu") for p in ("eager", "fused")}
+        {(C, a, p) for C in (16, 64) for a in ("gelu", "swiglu") for p in ("eager", "fused")}
     for r in rows:
         assert r["correct"] and r["fwd_fused_vs_eager"] < 1e-5  # float32
         assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["fwd_pct_floor"] > 0 and r["fwdbwd_pct_floor"] > 0
