@@ -172,13 +172,14 @@ def test_usable_only_where_asked(monkeypatch):
 
 
 def compiled_fp8_gpt(emulate, bias, steps=3, micro_steps=2, monkeypatch=None):
-    """A 1-layer FP8 GPT compiled (aot_eager on CPU, fp16 autocast), `micro_steps` forward/backward pairs per SGD
-    step: (losses, parameters, model)."""
+    """A 1-layer FP8 GPT compiled (aot_eager on CPU, fp16 autocast; n_embd 16, the MLP's hidden 64: two of the
+    interpreter's 32-wide tiles), `micro_steps` forward/backward pairs of 2 x 16 tokens per SGD step: (losses,
+    parameters, model)."""
     import torch._dynamo
     torch._dynamo.reset()
     monkeypatch.setattr(op_graphs, "EMULATE", emulate)
     torch.manual_seed(0)
-    config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32, mlp="fused", fp8=True,
+    config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16, mlp="fused", fp8=True,
                              dropout=0.0, bias=bias)
     gpt = model.GPT(config)
     run = torch.compile(gpt, backend="aot_eager", fullgraph=True)
@@ -187,7 +188,7 @@ def compiled_fp8_gpt(emulate, bias, steps=3, micro_steps=2, monkeypatch=None):
     losses = []
     for _ in range(steps):
         for _ in range(micro_steps):
-            idx = torch.randint(0, 64, (4, 16), generator=gen)
+            idx = torch.randint(0, 64, (2, 16), generator=gen)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = run(idx, idx)[1] / micro_steps
             loss.backward()
@@ -226,7 +227,7 @@ def test_a_16_bit_model_without_autocast_says_once_that_its_backward_cannot_repl
     with pytest.warns(UserWarning) as caught:
         for _ in range(3):  # steps of two micro-steps: calibration, the first calls, then captures and replays
             for _ in range(2):
-                step(torch.randn(48, 32, dtype=torch.float16)).float().square().mean().backward()
+                step(torch.randn(24, 32, dtype=torch.float16)).float().square().mean().backward()
             fc.zero_grad(set_to_none=True)
             proj.zero_grad(set_to_none=True)
     said = [str(w.message) for w in caught if "FP8" in str(w.message)]
@@ -326,12 +327,12 @@ def special_values_through_the_graphs(device, monkeypatch, M, C, hidden, bias):
         return (torch.randn(M, C, device=device, generator=gen),
                 torch.randn(M, C, device=device, generator=gen).to(dtype) * 1e-3)
 
-    for _ in range(4):  # calibration, the operators' first calls, the capture (and its replay), a replay
+    for _ in range(3):  # calibration, the operators' first calls, the capture (and its replay)
         x, gy = finite()
         for run in runs:
             call(run, x, gy)
     graphs = list(state.op_graphs.graphs.values())
-    assert [g.replays for g in graphs] == [2, 2]  # the forward's and the backward's
+    assert [g.replays for g in graphs] == [1, 1]  # the forward's and the backward's
     x, gy = finite()
     bad_x, bad_gy = x.clone(), gy.clone()
     bad_x[3], bad_x[7, 5], bad_x[11, 2] = math.nan, math.inf, -math.inf
@@ -339,7 +340,7 @@ def special_values_through_the_graphs(device, monkeypatch, M, C, hidden, bias):
     results = []
     for i, (case, x, gy) in enumerate([("x", bad_x, gy), ("grad_y", x, bad_gy), ("finite after", *finite())]):
         results.append((case, call("graphs", x, gy), call("uncompiled", x, gy)))
-        assert [g.replays for g in graphs] == [3 + i] * 2, case  # every call a replay
+        assert [g.replays for g in graphs] == [2 + i] * 2, case  # every call a replay
     return results
 
 
@@ -367,7 +368,8 @@ def check_special_values(results):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_nan_and_inf_come_out_of_the_emulated_graphs_as_uncompiled(monkeypatch, bias):
-    check_special_values(special_values_through_the_graphs("cpu", monkeypatch, M=40, C=32, hidden=64, bias=bias))
+    """(M = 20: rows padded to 32 in the FP8 copies)"""
+    check_special_values(special_values_through_the_graphs("cpu", monkeypatch, M=20, C=32, hidden=64, bias=bias))
 
 
 @needs_fp8_gpu
