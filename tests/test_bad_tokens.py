@@ -81,6 +81,20 @@ def train_py(folder, out, *args, world=1, classifier="eager"):
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
 
 
+def train_here(monkeypatch, capsys, folder, out, classifier="eager"):
+    """train_py's one-process run in this process, as `python train.py` runs it (errors.run_main): a
+    CompletedProcess-like (returncode, stderr), without an interpreter importing torch for each test
+    (test_in_val_bin_one_process keeps a real process)."""
+    import types
+    import train
+    monkeypatch.delenv("DEBUG", raising=False)
+    capsys.readouterr()
+    status = errors.run_main("train.py", train.main, [*TINY, f"--dataset={folder}", f"--out_dir={out}",
+                                                      f"--classifier={classifier}", "--max_iters=3",
+                                                      "--eval_interval=100"])
+    return types.SimpleNamespace(returncode=status, stderr=capsys.readouterr().err)
+
+
 def the_error_line(proc, world):
     """train.py's one error line (under torchrun: its own lines, then torchrun's report of a failed process)."""
     assert proc.returncode != 0 and 'train.py", line' not in proc.stderr, proc.stderr[-4000:]  # (no traceback of ours)
@@ -99,12 +113,13 @@ def expect(line, folder, split):
 
 
 @pytest.mark.parametrize("classifier", ["eager", "fused"])
-def test_in_train_bin_one_process(tmp_path, classifier):
+def test_in_train_bin_one_process(tmp_path, monkeypatch, capsys, classifier):
     """An id of 64 with vocab_size 64 throughout train.bin: the first eval's first batch finds it."""
     ids = clean(0)
     ids[::20] = VOCAB
     folder = write_dataset(tmp_path / "d", ids, clean(1))
-    expect(the_error_line(train_py(folder, tmp_path / "out", classifier=classifier), 1), folder, "train")
+    proc = train_here(monkeypatch, capsys, folder, tmp_path / "out", classifier=classifier)
+    expect(the_error_line(proc, 1), folder, "train")
     assert not os.path.exists(tmp_path / "out" / "ckpt.pt")
 
 
@@ -115,12 +130,12 @@ def test_in_val_bin_one_process(tmp_path):
     expect(the_error_line(train_py(folder, tmp_path / "out"), 1), folder, "val")
 
 
-def test_in_a_training_batch_one_process(tmp_path, positions):
+def test_in_a_training_batch_one_process(tmp_path, monkeypatch, capsys, positions):
     """The eval passes; the first training batch holds it (drawn by Batches.next): no step is taken. (Eager only: the
     fused classifier on a batch of all ignored targets is test_classifier's; through train.py it runs above, where
     its interpreted eval would cost a minute here.)"""
     folder = write_dataset(tmp_path / "d", one_bad_token(positions, 0, 1), clean(1))
-    expect(the_error_line(train_py(folder, tmp_path / "out"), 1), folder, "train")
+    expect(the_error_line(train_here(monkeypatch, capsys, folder, tmp_path / "out"), 1), folder, "train")
 
 
 @pytest.mark.parametrize("where", ["eval", "step"])
