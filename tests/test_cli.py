@@ -2,6 +2,7 @@
 the argument, file or key, with exit status 2 (bad usage) or 1 (failed run); Ctrl-C and SIGTERM stop training
 at the end of a step with a checkpoint and the command that resumes; a second Ctrl-C quits at once."""
 
+import contextlib
 import os
 import re
 import shlex
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -46,13 +48,26 @@ def main_in_process(monkeypatch, capsys, name, *args):
     monkeypatch.delenv("DEBUG", raising=False)
     monkeypatch.setattr(sys, "argv", [name, *args])
     capsys.readouterr()
-    try:
-        runpy.run_path(os.path.join(ROOT, name), run_name="__main__")
-        status = 0
-    except SystemExit as e:
-        status = e.code
+    with warnings_on_stderr() as said:
+        try:
+            runpy.run_path(os.path.join(ROOT, name), run_name="__main__")
+            status = 0
+        except SystemExit as e:
+            status = e.code
     out, err = capsys.readouterr()
-    return types.SimpleNamespace(returncode=status, stdout=out, stderr=err)
+    return types.SimpleNamespace(returncode=status, stdout=out, stderr=err + "".join(said))
+
+
+@contextlib.contextmanager
+def warnings_on_stderr():
+    """The warnings raised inside, formatted as Python prints them on stderr (a list, filled on exit): in a process
+    of its own a script's warning is a line of its stderr, which the one-line checks must see; in pytest's process
+    pytest would take it."""
+    said = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield said
+    said.extend(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
 
 
 def one_line_error(proc, script_name, status):
