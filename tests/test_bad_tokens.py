@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from fused_ops import env
 from helpers import data, errors, stopping
+from in_process import main_in_process
 from test_train import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,23 +84,13 @@ def train_py(folder, out, *args, world=1, classifier="eager"):
 
 
 def train_here(monkeypatch, capsys, folder, out, classifier="eager"):
-    """train_py's one-process run in this process, as `python train.py` runs it (errors.run_main): a
-    CompletedProcess-like (returncode, stderr, its warnings included), without an interpreter importing torch for
-    each test (test_in_val_bin_one_process keeps a real process). The fused classifier on the CPU needs Triton's
-    interpreter, chosen at import: where this process runs without it (a GPU machine), a process of its own."""
-    import types
-    import train
-    from fused_ops import env
-    from test_cli import warnings_on_stderr
+    """train_py's one-process run in this process (tests/in_process.py; test_in_val_bin_one_process keeps a real
+    process). The fused classifier on the CPU needs Triton's interpreter, chosen at import: where this process runs
+    without it (a GPU machine), a process of its own."""
     if classifier != "eager" and not env.INTERPRET:
         return train_py(folder, out, classifier=classifier)
-    monkeypatch.delenv("DEBUG", raising=False)
-    capsys.readouterr()
-    with warnings_on_stderr() as said:
-        status = errors.run_main("train.py", train.main, [*TINY, f"--dataset={folder}", f"--out_dir={out}",
-                                                          f"--classifier={classifier}", "--max_iters=3",
-                                                          "--eval_interval=100"])
-    return types.SimpleNamespace(returncode=status, stderr=capsys.readouterr().err + "".join(said))
+    return main_in_process(monkeypatch, capsys, "train.py", *TINY, f"--dataset={folder}", f"--out_dir={out}",
+                           f"--classifier={classifier}", "--max_iters=3", "--eval_interval=100")
 
 
 def the_error_line(proc, world):

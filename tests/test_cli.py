@@ -2,7 +2,6 @@
 the argument, file or key, with exit status 2 (bad usage) or 1 (failed run); Ctrl-C and SIGTERM stop training
 at the end of a step with a checkpoint and the command that resumes; a second Ctrl-C quits at once."""
 
-import contextlib
 import os
 import re
 import shlex
@@ -11,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 
 import pytest
 import torch
@@ -24,6 +22,11 @@ from helpers import stopping
 from helpers import timing
 import train
 from test_train import TINY, dataset  # noqa: F401 (dataset: test_train's fixture, the tiny char dataset)
+# (in-process runs for the errors raised before any work; each script's own process is still run by one test at
+# least: train.py by test_fused_mlp_where_the_kernels_cannot_run, test_damaged_checkpoint_... and the Ctrl-C tests,
+# sample.py by test_a_bad_value_from_a_shell_..., bench.py by test_bad_arguments_are_one_line_..., bench_mlp.py by
+# test_bench_mlp_needs_a_gpu)
+from in_process import main_in_process  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
@@ -32,42 +35,6 @@ ENV.pop("DEBUG", None)
 
 def script(*args, timeout=120):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=timeout)
-
-
-def main_in_process(monkeypatch, capsys, name, *args):
-    """A script's __main__ block (`python <name> args`) run in this process, from the repository's root: a
-    CompletedProcess-like (returncode, stdout, stderr) for one_line_error. For the errors raised before any work,
-    where a subprocess only added an interpreter importing torch (seconds each); each script's own process is still
-    run by one test at least: train.py by test_fused_mlp_where_the_kernels_cannot_run, test_damaged_checkpoint_... and
-    the Ctrl-C tests, sample.py by test_a_bad_value_from_a_shell_..., bench.py by test_bad_arguments_are_one_line_...,
-    bench_mlp.py by test_bench_mlp_needs_a_gpu."""
-    import runpy
-    import types
-
-    monkeypatch.chdir(ROOT)
-    monkeypatch.delenv("DEBUG", raising=False)
-    monkeypatch.setattr(sys, "argv", [name, *args])
-    capsys.readouterr()
-    with warnings_on_stderr() as said:
-        try:
-            runpy.run_path(os.path.join(ROOT, name), run_name="__main__")
-            status = 0
-        except SystemExit as e:
-            status = e.code
-    out, err = capsys.readouterr()
-    return types.SimpleNamespace(returncode=status, stdout=out, stderr=err + "".join(said))
-
-
-@contextlib.contextmanager
-def warnings_on_stderr():
-    """The warnings raised inside, formatted as Python prints them on stderr (a list, filled on exit): in a process
-    of its own a script's warning is a line of its stderr, which the one-line checks must see; in pytest's process
-    pytest would take it."""
-    said = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield said
-    said.extend(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
 
 
 def one_line_error(proc, script_name, status):
