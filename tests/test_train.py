@@ -17,6 +17,7 @@ from helpers import config
 from helpers import stopping
 from model import GPT, GPTConfig
 import train
+from in_process import main_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny model; mlp="eager" because under TRITON_INTERPRET=1 (set by conftest) "auto" would run the kernels
@@ -180,17 +181,13 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(dataset, tmp_path, monkey
     run(dataset, out, "--max_iters=4", "--eval_interval=4")
     path = os.path.join(out, "ckpt.pt")
     good = torch.load(path, weights_only=True)
-    # Resume with an absurd learning rate (no clipping): the weights explode within a step or two. Through train.cli,
-    # what `python train.py` runs, in this process (a subprocess cost an interpreter importing torch; train.py's own
-    # process exiting with status 1 and one line is test_cli.py's test_damaged_checkpoint_names_the_file_...).
-    monkeypatch.delenv("DEBUG", raising=False)
-    monkeypatch.setattr(sys, "argv", ["train.py", "--init_from=resume", f"--out_dir={out}", "--max_iters=20",
-                                      "--learning_rate=1e6", "--grad_clip=0.0", "--warmup_iters=0", "--decay_lr=False"])
-    capsys.readouterr()
-    status = train.cli()
-    stderr = capsys.readouterr().err
-    assert status == 1, stderr
-    msg = stderr.strip().splitlines()[-1]
+    # Resume with an absurd learning rate (no clipping): the weights explode within a step or two. In this process
+    # (tests/in_process.py; train.py's own process exiting with status 1 and one line is test_cli.py's
+    # test_damaged_checkpoint_names_the_file_...).
+    proc = main_in_process(monkeypatch, capsys, "train.py", "--init_from=resume", f"--out_dir={out}", "--max_iters=20",
+                           "--learning_rate=1e6", "--grad_clip=0.0", "--warmup_iters=0", "--decay_lr=False")
+    assert proc.returncode == 1, proc.stderr
+    msg = proc.stderr.strip().splitlines()[-1]
     assert msg.startswith("train.py: error: "), msg
     assert "nan" in msg.lower() and "at iter " in msg and "learning_rate" in msg and "iter 4) is kept" in msg, msg
     kept = torch.load(path, weights_only=True)
