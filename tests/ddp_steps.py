@@ -29,9 +29,10 @@ from model import GPT, GPTConfig
 from tests import fast_interpreter
 
 VOCAB = 96
-# (sequence length, micro-batch size): on the CPU 16 x 2, where the interpreter runs the fused classifier one program
-# per row
-SHAPE = {"cuda": (32, 4), "cpu": (16, 2)}
+# (layers, sequence length, micro-batch size) by device type: on the CPU 2 layers (1.6 MB of float32 parameters:
+# still 2 DDP buckets of 1 MB) and micro-batches of 16 x 2, where the interpreter runs the fused classifier one
+# program per row
+SHAPE = {"cuda": (4, 32, 4), "cpu": (2, 16, 2)}
 # Steps checked at lr 0: on GPUs 4 (under CUDA graphs a warm-up run, the capture, then replays), on the CPU 2 (the
 # second shows that the first step's gradients were cleared; no graphs there)
 GRAD_STEPS = {"cuda": 4, "cpu": 2}
@@ -39,18 +40,17 @@ GRAD_STEPS = {"cuda": 4, "cpu": 2}
 
 def model_config(mlp, fp8=False, device="cuda"):
     """mlp as bench.py names variants: "eager", "fused", with "+cls" the fused classifier, "+cls8" its FP8 form;
-    fp8: False, True (the MLP in FP8) or "blocks" (fp8_reach="blocks": the attention's projections too). On the CPU
-    2 layers (1.6 MB of float32 parameters: still 2 DDP buckets of 1 MB), on GPUs 4."""
+    fp8: False, True (the MLP in FP8) or "blocks" (fp8_reach="blocks": the attention's projections too)."""
     mlp, cls, eight = mlp.partition("+cls")
-    layers = 2 if device.startswith("cpu") else 4
-    return GPTConfig(block_size=SHAPE[device.split(":")[0]][0], vocab_size=VOCAB, n_layer=layers, n_head=4, n_embd=128, mlp=mlp, fp8=bool(fp8),
+    layers, t, _ = SHAPE[device.split(":")[0]]
+    return GPTConfig(block_size=t, vocab_size=VOCAB, n_layer=layers, n_head=4, n_embd=128, mlp=mlp, fp8=bool(fp8),
                      fp8_reach="blocks" if fp8 == "blocks" else "mlp", dropout=0.0, bias=True,
                      classifier="fp8" if eight == "8" else "fused" if cls else "eager")
 
 
 def micro_batch(step, index, device):
     g = torch.Generator().manual_seed(1000 * step + index)
-    t, batch = SHAPE[device.split(":")[0]]
+    _, t, batch = SHAPE[device.split(":")[0]]
     xy = torch.randint(0, VOCAB, (batch, t + 1), generator=g)
     return xy[:, :-1].contiguous().to(device), xy[:, 1:].contiguous().to(device)
 
