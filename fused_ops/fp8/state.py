@@ -171,12 +171,17 @@ def quantize_weight(w):
     each GEMM takes its operands K-major (the forward W, the input gradient's Wᵀ)."""
     w = w.detach().float()
     amax = w.abs().amax()
-    # (a tensor over a tensor: a float over a tensor is computed as float · (1/tensor), one rounding more than
-    # weight_scale_kernel's division, and the compiled and uncompiled paths must agree bit for bit)
-    scale = torch.where((amax > 0) & amax.isfinite(), amax.new_tensor(FP8_MAX[E4M3]) / amax, torch.ones_like(amax))
+    # The two divisions in float64, rounded once to fp32: the correctly rounded fp32 quotients (53 bits hold the
+    # double rounding harmlessly), as weight_scale_kernel's div_rn, also inside torch.compile, whose Triton kernels
+    # divide fp32 approximately (an ulp off: results/glue/README.md). The compiled and uncompiled paths must agree
+    # bit for bit. (A tensor over a tensor: a float over a tensor is computed as float · (1/tensor).)
+    a64 = amax.double()
+    scale = torch.where((amax > 0) & amax.isfinite(), (a64.new_tensor(FP8_MAX[E4M3]) / a64).float(),
+                        torch.ones_like(amax))
     q = (w * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3])
     q = torch.where(w.isinf(), float("nan"), q).to(E4M3)  # ±inf: NaN, as in the kernels
-    return q, q.t().contiguous(), scale.reciprocal().reshape(1)
+    s64 = scale.double()
+    return q, q.t().contiguous(), (torch.ones_like(s64) / s64).float().reshape(1)
 
 
 def _set_current_scale(state, slot, t=None):

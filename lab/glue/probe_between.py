@@ -1,10 +1,12 @@
-"""Three questions about the GPT-2 124M step, on the GPU (GPU time, rounds alternated):
+"""Four questions about the GPT-2 124M step, on the GPU (GPU time, rounds alternated):
   attn    SDPA's backends at the step's shape (12 x 12 heads x 1024 x 64, causal, bf16), forward and forward + backward;
   weights the weights' FP8 copies: quantize_weight compiled (what the compiled step runs) against
-          quantize_weight_fused (four kernels a weight), all of the fastest setting's weights, in CUDA-graph replay;
+          quantize_weight_fused (four kernels a weight), all of the fastest setting's weights, in CUDA-graph replay:
+          the bits compared, then the time;
   sum     which node of the compiled backward calls aten::sum: a 2-layer GPT at GPT-2's width, eager MLP, compiled,
-          one forward + backward under the profiler (run it with TORCH_LOGS=output_code to see the generated code).
-Usage: PYTHONPATH=. python lab/glue/probe_between.py attn|weights|sum"""
+          one forward + backward under the profiler (run it with TORCH_LOGS=output_code to see the generated code);
+  ln      that step's time at one split size of Inductor's mix-order reduction (SPLITS below), or with it off.
+Usage: PYTHONPATH=. python lab/glue/probe_between.py attn|weights|sum|ln SPLIT"""
 
 import statistics
 import sys
