@@ -99,12 +99,16 @@ def weights(rounds=5):
         print(f"{n:28s} {spread(t)} ms")
 
 
-def sum_origin():
+def two_layer_gpt():
+    """(a 2-layer GPT at GPT-2's width, eager MLP, no bias, on the GPU; a batch of 12 x 1024 random tokens)"""
     from model import GPT, GPTConfig
     cfg = GPTConfig(n_layer=2, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False, dropout=0.0)
-    model = GPT(cfg).cuda()
+    return GPT(cfg).cuda(), torch.randint(0, 50304, (12, 1024), device="cuda")
+
+
+def sum_origin():
+    model, idx = two_layer_gpt()
     compiled = torch.compile(model)
-    idx = torch.randint(0, 50304, (12, 1024), device="cuda")
     for _ in range(2):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = compiled(idx, idx)[1]
@@ -131,10 +135,7 @@ def ln_split(name):
     """The 2-layer step's GPU time (forward + backward, do_bench) with Inductor's mix-order reduction (the LayerNorm
     backward's weight-gradient partials, which aten::sum adds up) at one split size, or off: one process each."""
     import torch._inductor.config as inductor_config
-    from model import GPT, GPTConfig
-    cfg = GPTConfig(n_layer=2, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False, dropout=0.0)
-    model = GPT(cfg).cuda()
-    idx = torch.randint(0, 50304, (12, 1024), device="cuda")
+    model, idx = two_layer_gpt()
     with inductor_config.patch(SPLITS[name]):
         m = torch.compile(model)
 
