@@ -129,12 +129,13 @@ class CausalSelfAttention(nn.Module):
             self.fp8 = nn.ModuleList([fused_ops.FP8State(), fused_ops.FP8State()])
             self.fp8_qkv, self.fp8_linear = fused_ops.fp8_linear_qkv, fused_ops.fp8_linear
 
-    def forward(self, x, cache=None):
+    def forward(self, x, cache=None, fp8_copies=None):
         B, T, C = x.size()
+        copies = fp8_copies or (None, None)  # the two weights' FP8 copies, where GPT.forward made them
         if self.fp8 is None:
             q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         else:  # q, k and v as three outputs, so that their gradients are cast apart, never concatenated
-            q, k, v = self.fp8_qkv(x, self.c_attn.weight, self.c_attn.bias, self.fp8[0])
+            q, k, v = self.fp8_qkv(x, self.c_attn.weight, self.c_attn.bias, self.fp8[0], copies[0])
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         mask, causal = None, True
         if cache is not None:
@@ -149,7 +150,7 @@ class CausalSelfAttention(nn.Module):
         if self.fp8 is None:
             y = self.c_proj(y)
         else:
-            y = self.fp8_linear(y, self.c_proj.weight, self.c_proj.bias, self.fp8[1])
+            y = self.fp8_linear(y, self.c_proj.weight, self.c_proj.bias, self.fp8[1], copies[1])
         return self.resid_dropout(y)
 
 
@@ -188,6 +189,7 @@ class MLP(nn.Module):
         if fused_ops is None:
             self.kind = "eager"  # (also "auto" without Triton)
         self.fp8 = fused_ops.FP8State() if config.fp8 and fused_ops else None  # its delayed scales (not saved)
+        self.fp8_mlp = fused_ops.fp8_mlp if self.fp8 is not None else None
         # The path, picked once: a runner of fused_ops (which owns its CUDA graphs), or EagerMLP.
         eager = EagerMLP(self.activation)
         if self.kind == "eager":
@@ -199,7 +201,10 @@ class MLP(nn.Module):
         else:  # "auto": the kernels where they can run on x's device, this PyTorch elsewhere
             self.path = fused_ops.AutoMLP(fused_ops.FusedMLP(self.activation, self.fuse_ln), eager)
 
-    def forward(self, x, norm=None):
+    def forward(self, x, norm=None, fp8_copies=None):
+        if fp8_copies is not None:  # (GPT.forward made the weights' FP8 copies)
+            x = x if norm is None else norm(x)
+            return self.dropout(self.fp8_mlp(x, self.c_fc, self.c_proj, self.activation, self.fp8, fp8_copies))
         return self.dropout(self.path(x, self.c_fc, self.c_proj, norm))
 
 
@@ -223,9 +228,15 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None):
-        x = x + self.attn(self.ln_1(x), cache)
-        return x + self.mlp(x, norm=self.ln_2)
+    def forward(self, x, cache=None, fp8_copies=None):
+        attn_copies, mlp_copies = fp8_copies or (None, None)
+        x = x + self.attn(self.ln_1(x), cache, attn_copies)
+        return x + self.mlp(x, norm=self.ln_2, fp8_copies=mlp_copies)
+
+    def fp8_weights(self):
+        """(the attention's FP8 weights, the MLP's): the masters whose FP8 copies its layers read (none: ())."""
+        attn = (self.attn.c_attn.weight, self.attn.c_proj.weight) if self.attn.fp8 is not None else ()
+        return attn, ((self.mlp.c_fc.weight, self.mlp.c_proj.weight) if self.mlp.fp8 is not None else ())
 
 
 # Peak dense bf16 tensor-core FLOP/s by GPU model (vendor datasheets, without sparsity). Order matters:
@@ -297,9 +308,23 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {start + t} exceeds block_size {self.config.block_size}")
         pos = torch.arange(start, start + t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        copies = self.fp8_weight_copies()
         for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_caches[i] if kv_caches else None)
+            x = block(x, kv_caches[i] if kv_caches else None, copies[i] if copies else None)
         return self.output(x, targets)
+
+    def fp8_weight_copies(self):
+        """Training a model compiled whole: every FP8 weight's copies at once, three launches for the model where each
+        layer would make its own in several a weight (fused_ops/fp8/weight_copies.py), as one (attention's, MLP's)
+        pair a block. None elsewhere: uncompiled, each layer's FP8State keeps them for an optimizer step; with
+        compile_regions each block makes its own."""
+        if not (self.config.fp8 and torch.is_grad_enabled() and torch.compiler.is_compiling()):
+            return None
+        weights = [block.fp8_weights() for block in self.transformer.h]
+        made = import_fused_ops(required=True).fp8_weight_copies([w for pair in weights for part in pair for w in part])
+        copies = iter(made)  # (W8, W8ᵀ, 1/scale) a weight: the attention takes one a linear, the MLP all six in one
+        return [(tuple(next(copies) for _ in attn) or None, tuple(c for _ in mlp for c in next(copies)) or None)
+                for attn, mlp in weights]
 
     def output(self, x, targets=None):
         """The last LayerNorm, then the logits, the loss, or both (a method of its own: compile_regions in

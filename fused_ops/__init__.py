@@ -34,7 +34,8 @@ Then, above the core:
     epilogues (off Hopper) that write the FP8 copies; state.py: FP8State; hopper.py: on Hopper the ping-pong
     kernel's FP8 main loops and epilogues (FP8_IN, FP8_OUT); autograd.py runs it, outside torch.compile and inside;
     classifier.py: the classifier's FP8 form (classifier="fp8"), its logits' and dx's GEMMs in FP8; linear.py:
-    a plain linear in FP8 (fp8_reach="blocks": the attention's projections).
+    a plain linear in FP8 (fp8_reach="blocks": the attention's projections); weight_copies.py: every FP8 weight
+    copy of a model in three launches (model.GPT under torch.compile).
 15. graphs.py: outside torch.compile, each layer's fused MLP forward and backward as CUDA graphs, one per input
     shape, so its dozen launches cost one (FUSED_OPS_GRAPHS=0 turns them off: they keep memory).
 16. precompile.py: with a cold Triton cache, a child process compiles the fused kernels while the run starts up
@@ -51,12 +52,12 @@ from .classifier import linear_cross_entropy
 from .adamw import FusedAdamW
 from . import hopper  # noqa: F401  (after the core: registers the Hopper kernels with backends)
 from .fp8 import (FP8State, check_fp8_device, fp8_layers_as_function, fp8_linear, fp8_linear_qkv,
-                  fp8_linear_cross_entropy, fp8_mlp, fp8_supported)
+                  fp8_linear_cross_entropy, fp8_mlp, fp8_supported, fp8_weight_copies)
 from .graphs import MLPGraphs, graphs_usable
 from .layers import AutoMLP, FP8MLP, FusedMLP, fp8_graphs_usable
 
 __all__ = [
-    "GATED", "PLAIN", "kernel_activations", "FP8State", "check_fp8_device", "fp8_graphs_usable", "fp8_layers_as_function", "fp8_linear", "fp8_linear_qkv", "fp8_linear_cross_entropy", "fp8_mlp", "fp8_supported",
+    "GATED", "PLAIN", "kernel_activations", "FP8State", "check_fp8_device", "fp8_graphs_usable", "fp8_layers_as_function", "fp8_linear", "fp8_linear_qkv", "fp8_linear_cross_entropy", "fp8_mlp", "fp8_supported", "fp8_weight_copies",
     "MLPGraphs", "graphs_usable",
     "linear_act_dgrad", "linear_act_forward", "FusedMLPFunction", "LinearActFunction", "check_mlp_args", "fused_mlp", "fused_mlp_layers", "kernels_can_run",
     "linear_act", "layers_as_function", "linear_cross_entropy", "FusedAdamW", "AutoMLP", "FP8MLP", "FusedMLP",

@@ -8,9 +8,11 @@ One computation, _forward and _backward below, reached two ways:
 The weights' FP8 copies (W1, W1ᵀ, W2, W2ᵀ in e4m3, their 1/scales) come to both as arguments:
 - uncompiled, from FP8State.weights: remade once per optimizer step (a host-side check), in place, so that
   ../graphs.py's CUDA graphs (fp8_layers_as_function; ../layers.py's FP8MLP), which skip host work in a replay, read the current ones;
-- compiled, made in the graph at every forward (quantize_weight; inductor fuses it): a host check would be skipped
-  by torch.compile's CUDA graphs, so none is left. The price: with gradient accumulation, one weight cast per
-  micro-step instead of per optimizer step (~12 MB of traffic a layer at GPT-2 small's size).
+- compiled, made in the graph at every forward: for a whole GPT at once where the model is compiled whole
+  (model.GPT.forward, weight_copies.py: three launches for every layer's weights), else by each layer
+  (quantize_weight; inductor fuses it). A host check would be skipped by torch.compile's CUDA graphs, so none is
+  left. The price: with gradient accumulation, one weight cast per micro-step instead of per optimizer step (~12 MB
+  of traffic a layer at GPT-2 small's size).
 The operators keep no other host state a replay needs: the scales live in the FP8State's buffers (an operator finds
 the state by its number) and move on the GPU; the calibration flag is read once, on the first call, which
 torch.compile's CUDA graphs run before they record (and graphs.py's capture only after it). So the FP8 MLP compiles
@@ -269,10 +271,12 @@ def _op_backward(ctx, grad_y, *_):  # (no gradient flows into what the forward r
 torch.library.register_autograd("fused_mlp::fp8_mlp_forward", _op_backward, setup_context=_setup_context)
 
 
-def fp8_mlp(x, c_fc, c_proj, activation, state):
+def fp8_mlp(x, c_fc, c_proj, activation, state, copies=None):
     """model.MLP's FP8 path: c_proj(act(c_fc(x))) with FP8 GEMMs while training (grad enabled); under no_grad
-    (evaluation, sampling) the bf16 fused path. x: (..., C), 16-bit or under autocast."""
-    return _fp8_mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, activation, state)
+    (evaluation, sampling) the bf16 fused path. x: (..., C), 16-bit or under autocast. copies: the two weights' FP8
+    copies (W1 8, W1ᵀ 8, 1/scale, then W2's) where the caller made them (model.GPT under torch.compile:
+    weight_copies.py), else made here."""
+    return _fp8_mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias, activation, state, copies)
 
 
 def fp8_layers_as_function(c_fc, c_proj, activation, norm, state):
@@ -307,9 +311,9 @@ def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, copies=None):
     if C % 16 or hidden % 16:
         raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({hidden}) to be multiples "
                          "of 16 (FP8 GEMMs take K and N in multiples of 16)")
-    if compiling:  # the copies made here, every call (see the top of this file); inductor fuses quantize_weight
+    if copies is None and compiling:  # made here, every call (see the top of this file); inductor fuses them
         copies = (*quantize_weight(masters[0]), *quantize_weight(masters[1]))
-    elif copies is None:  # (given: graphs.py's, see fp8_layers_as_function)
+    elif copies is None:  # (given: graphs.py's, see fp8_layers_as_function, or model.GPT's under torch.compile)
         copies = state.weights(*masters)
     if compiling:
         x2 = x.reshape(-1, C).contiguous()

@@ -141,19 +141,25 @@ def _op_backward(ctx, grad_y, *_):  # (no gradient flows into what the forward r
 torch.library.register_autograd("fused_mlp::fp8_linear_forward", _op_backward, setup_context=_setup_context)
 
 
-def fp8_linear(x, weight, bias, state):
+def fp8_linear(x, weight, bias, state, copies=None):
     """F.linear(x, weight, bias) with FP8 GEMMs while training (grad enabled); under no_grad the 16-bit F.linear
     (evaluation losses stay comparable between settings, as the FP8 MLP's). x: (..., K), 16-bit or under autocast;
-    weight (N, K) with N and K multiples of 16; state: the linear's own FP8State."""
+    weight (N, K) with N and K multiples of 16; state: the linear's own FP8State; copies: W's FP8 copies (W8, W8ᵀ,
+    1/scale) where the caller made them (model.GPT under torch.compile: weight_copies.py), else made here."""
     if not torch.is_grad_enabled() or x.numel() == 0:
         return F.linear(x, weight, bias)
     x, bias, x2 = _checked(x, weight, bias, 1)
-    if torch.compiler.is_compiling():  # the copies made in the graph, every call (inductor fuses quantize_weight):
-        # autograd.py says why
-        y = fp8_linear_forward_op(x2.contiguous(), weight, bias, *quantize_weight(weight), state.number)[0]
+    if torch.compiler.is_compiling():
+        y = fp8_linear_forward_op(x2.contiguous(), weight, bias, *_compiled_copies(weight, copies), state.number)[0]
     else:
-        y = FP8LinearFunction.apply(x2, weight, bias, state, *state.weights(weight))
+        y = FP8LinearFunction.apply(x2, weight, bias, state, *(copies or state.weights(weight)))
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _compiled_copies(weight, copies):
+    """The weight's copies inside torch.compile: the caller's, or made in the graph at every call (inductor fuses
+    quantize_weight; autograd.py says why not once per optimizer step)."""
+    return copies if copies is not None else quantize_weight(weight)
 
 
 def _checked(x, weight, bias, parts):
@@ -286,14 +292,15 @@ torch.library.register_autograd("fused_mlp::fp8_linear_qkv_forward", _op_backwar
                                 setup_context=_setup_context_qkv)
 
 
-def fp8_linear_qkv(x, weight, bias, state):
-    """F.linear(x, weight, bias).chunk(3, -1) with FP8 GEMMs while training, as fp8_linear, returning q, k and v
-    as three tensors (..., N/3) whose gradients are cast apart (see above); N/3 a multiple of 16."""
+def fp8_linear_qkv(x, weight, bias, state, copies=None):
+    """F.linear(x, weight, bias).chunk(3, -1) with FP8 GEMMs while training, as fp8_linear (copies too), returning
+    q, k and v as three tensors (..., N/3) whose gradients are cast apart (see above); N/3 a multiple of 16."""
     if not torch.is_grad_enabled() or x.numel() == 0:
         return F.linear(x, weight, bias).chunk(3, dim=-1)
     x, bias, x2 = _checked(x, weight, bias, 3)
     if torch.compiler.is_compiling():
-        q, k, v = fp8_linear_qkv_forward_op(x2.contiguous(), weight, bias, *quantize_weight(weight), state.number)[:3]
+        q, k, v = fp8_linear_qkv_forward_op(x2.contiguous(), weight, bias, *_compiled_copies(weight, copies),
+                                            state.number)[:3]
     else:
-        q, k, v = FP8QKVFunction.apply(x2, weight, bias, state, *state.weights(weight))
+        q, k, v = FP8QKVFunction.apply(x2, weight, bias, state, *(copies or state.weights(weight)))
     return tuple(t.view(*x.shape[:-1], weight.shape[0] // 3) for t in (q, k, v))

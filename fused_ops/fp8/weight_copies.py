@@ -1,0 +1,173 @@
+"""Every FP8 weight copy of a model in three launches (model.GPT, under torch.compile).
+
+Why. Each FP8 GEMM reads its weight as an e4m3 copy made by current scaling (state.py's quantize_weight): the
+weight's amax, then W8 = fp8(W · 448/amax) and its transpose W8ᵀ (each GEMM takes its weight K-major). Inside
+torch.compile every layer made its own copies at every forward, several kernels a weight; at GPT-2 small's size that
+is 48 weights, most of them too small to fill an H200 on their own, and the copies took about twice their bytes'
+time (results/glue/README.md: 0.59 ms a step against 0.29 at the copy rate). The bytes are fixed (each weight read
+twice, for its amax and for its cast, and two one-byte copies written: 10 bytes a weight); what can go is the number
+of launches and their tails. So here all of a model's weights go through the same two kernels, each one launch over a
+table of the weights' addresses and shapes (as ../adamw.py's FusedAdamW):
+
+    zero    amax_i = 0 for every weight i                               (a memset)
+    amax    amax_i = max |W_i|, NaN counted as inf                      a program a BLOCK of a weight, an atomic max
+    cast    scale_i = 448 / amax_i, correctly rounded (1 where amax_i is 0, inf or NaN),
+            W8_i = fp8(W_i · scale_i) and W8ᵀ_i, a 64 x 64 tile a program; the weight's first tile writes 1/scale_i
+
+which is quantize_weight bit for bit (tests/test_fp8_weight_copies.py): the same amax, the same correctly rounded
+divisions, the same cast (../casts.py's quantize: saturating, ±inf and NaN to NaN). The transposed copy is stored
+from the tile already quantized (tl.trans of 8-bit values, exact), never from the fp32 tile, whose transposed store
+came out wrong on Hopper with Triton 3.6 (kernels.py's cast_transpose_kernel says so).
+
+The outputs are three tensors for all weights (the operator fused_mlp::fp8_weight_copies returns them, so that
+torch.compile sees one node): every W8 end to end in one, every W8ᵀ in another, the 1/scales one 16-byte row a weight
+(cuBLAS reads a scale only from a 16-byte aligned address); fp8_weight_copies hands back each weight's views.
+"""
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import env
+from ..casts import quantize
+from ..ops import fused_op
+from ..tuning import LaunchPlan
+from .kernels import E4M3, FP8_MAX
+
+AMAX_BLOCK = 4096  # elements an amax program reads (4 warps: 32 a thread)
+TILE = 64  # a cast program's tile, TILE x TILE: the row-major cast's tile of kernels.CAST_TILE
+
+
+@triton.jit
+def weight_amax_kernel(table_ptr, block_weight_ptr, block_index_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+    """amax_ptr[i] = max(amax_ptr[i], max |W_i| over this program's block), NaN counted as inf."""
+    program = tl.program_id(0)
+    i = tl.load(block_weight_ptr + program)
+    w_ptr = tl.multiple_of(tl.load(table_ptr + i).to(tl.pointer_type(tl.float32)), 16)
+    numel = tl.load(table_ptr + n + i) * tl.load(table_ptr + 2 * n + i)
+    offs = tl.load(block_index_ptr + program) * BLOCK + tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + offs, mask=offs < numel, other=0.0)
+    a = tl.where(w == w, tl.abs(w), float("inf"))  # (NaN: either makes the scale 1, as in quantize_weight)
+    tl.atomic_max(amax_ptr + i, tl.max(a, axis=0), sem="relaxed")
+
+
+@triton.jit
+def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_ptr, qt_ptr, inv_ptr, n,
+                       FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr):
+    """One TILE x TILE tile of W_i (N, K) into W8_i (row-major, at its offset in q_ptr) and W8ᵀ_i (K, N), with the
+    weight's current scale; its first tile also writes 1/scale into inv_ptr's row i."""
+    program = tl.program_id(0)
+    i = tl.load(tile_weight_ptr + program)
+    tile = tl.load(tile_index_ptr + program)
+    w_ptr = tl.multiple_of(tl.load(table_ptr + i).to(tl.pointer_type(tl.float32)), 16)
+    N = tl.load(table_ptr + n + i).to(tl.int32)
+    K = tl.multiple_of(tl.load(table_ptr + 2 * n + i).to(tl.int32), 16)
+    offset = tl.multiple_of(tl.load(table_ptr + 3 * n + i), 16)
+    tiles_k = tl.cdiv(K, TILE)
+    offs_n = (tile // tiles_k) * TILE + tl.arange(0, TILE)
+    offs_k = (tile % tiles_k) * TILE + tl.arange(0, TILE)
+    w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n < N)[:, None] & (offs_k < K)[None, :],
+                other=0.0)
+    amax = tl.load(amax_ptr + i)
+    usable = (amax > 0.0) & (amax < float("inf"))  # (NaN compares false)
+    # correctly rounded divisions, as quantize_weight's (Triton's `/` on fp32 is approximate on a GPU)
+    scale = tl.where(usable, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), tl.where(usable, amax, 1.0)), 1.0)
+    q = quantize(w, scale, q_ptr.dtype.element_ty, EMULATE)
+    tl.store(q_ptr + offset + offs_n[:, None] * K + offs_k[None, :], q,
+             mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+    tl.store(qt_ptr + offset + offs_k[:, None] * N + offs_n[None, :], tl.trans(q),
+             mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])
+    if tile == 0:
+        tl.store(inv_ptr + 4 * i, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
+
+
+class _Plan:
+    """One set of weights' launches: the device table (addresses, N, K, the copies' offsets) and, per program, which
+    weight and which block or tile of it is its own. Kept per set of addresses and shapes (the parameters of a model
+    stay where they are); the table's host copy is kept too, so that a CUDA graph that captured its upload replays
+    it from memory nobody reuses."""
+
+    def __init__(self, weights):
+        self.device = weights[0].device
+        shapes = [tuple(w.shape) for w in weights]
+        numels = [N * K for N, K in shapes]
+        offsets = [0]
+        for m in numels[:-1]:
+            offsets.append(offsets[-1] + m)  # (N and K are multiples of 16: every offset is 16-byte aligned)
+        self.total, n = sum(numels), len(weights)
+        host = torch.tensor([[w.data_ptr() for w in weights], [N for N, _ in shapes], [K for _, K in shapes], offsets],
+                            dtype=torch.int64).reshape(-1)
+        blocks = [triton.cdiv(m, AMAX_BLOCK) for m in numels]
+        tiles = [triton.cdiv(N, TILE) * triton.cdiv(K, TILE) for N, K in shapes]
+        self.maps = []
+        for counts in (blocks, tiles):
+            which = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), torch.tensor(counts))
+            index = torch.cat([torch.arange(c, dtype=torch.int32) for c in counts])
+            self.maps.append((which.to(self.device), index.to(self.device), len(which)))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self.host, self.table = host, host.to(self.device, non_blocking=True)
+        self.amax_plan = LaunchPlan(weight_amax_kernel, triton.Config({}, num_warps=4, num_stages=1),
+                                    dict(BLOCK=AMAX_BLOCK))
+        self.cast_plan = LaunchPlan(weight_cast_kernel, triton.Config({}, num_warps=4, num_stages=1),
+                                    dict(FP8_MAX=FP8_MAX[E4M3], EMULATE=env.INTERPRET, TILE=TILE))
+
+    def run(self, n):
+        q = torch.empty(self.total, device=self.device, dtype=E4M3)
+        qt = torch.empty_like(q)
+        inv = torch.empty((n, 4), device=self.device)
+        amax = torch.zeros(n, device=self.device)
+        (bw, bi, blocks), (tw, ti, tiles) = self.maps
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            self.amax_plan.launch_grid((blocks,), [self.table, bw, bi, amax, n])
+            self.cast_plan.launch_grid((tiles,), [self.table, tw, ti, amax, q, qt, inv, n])
+        return q, qt, inv
+
+
+_plans = {}  # by the weights' addresses and shapes
+MAX_PLANS = 64  # (a process that builds many models, the tests: the oldest plans go)
+
+
+def _check(weights):
+    if not weights:
+        raise ValueError("fp8_weight_copies needs at least one weight")
+    for w in weights:
+        if (w.dim() != 2 or w.dtype != torch.float32 or not w.is_contiguous() or w.shape[0] % 16 or w.shape[1] % 16
+                or w.device != weights[0].device):
+            raise ValueError(f"fp8_weight_copies takes contiguous float32 weights (N, K), N and K multiples of 16, on "
+                             f"one device; got {w.dtype} {tuple(w.shape)} on {w.device} (with {weights[0].device})")
+
+
+@fused_op("fp8_weight_copies")
+def fp8_weight_copies_op(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(every W8 end to end, every W8ᵀ end to end, the 1/scales (n, 4), each weight's in column 0)."""
+    _check(weights)
+    key = tuple((w.data_ptr(), *w.shape) for w in weights)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= MAX_PLANS:
+            del _plans[next(iter(_plans))]
+        plan = _plans[key] = _Plan([w.detach() for w in weights])
+    return plan.run(len(weights))
+
+
+@fp8_weight_copies_op.register_fake
+def _(weights):
+    total = sum(w.numel() for w in weights)
+    q = weights[0].new_empty(total, dtype=E4M3)
+    return q, torch.empty_like(q), weights[0].new_empty((len(weights), 4), dtype=torch.float32)
+
+
+def fp8_weight_copies(weights):
+    """[(W8 (N, K), W8ᵀ (K, N), 1/scale (1,)) for each weight]: quantize_weight of each, bit for bit, in three
+    launches for all of them (see above). weights: the fp32 masters (contiguous, N and K multiples of 16)."""
+    q, qt, inv = fp8_weight_copies_op([w.detach() for w in weights])
+    copies, start = [], 0
+    for i, w in enumerate(weights):
+        (N, K), end = w.shape, start + w.numel()
+        copies.append((q[start:end].view(N, K), qt[start:end].view(K, N), inv[i, :1]))
+        start = end
+    return copies

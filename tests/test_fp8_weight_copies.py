@@ -1,0 +1,149 @@
+"""fused_ops/fp8/weight_copies.py: every FP8 weight copy of a model in three launches, bit for bit quantize_weight's
+(the weights' current scaling), special values included; its operator under torch.compile; and model.GPT, compiled
+whole, making all its layers' copies with it."""
+
+import pytest
+import torch
+
+import model
+from fused_ops.fp8 import E4M3, FP8_MAX, fp8_weight_copies
+from fused_ops.fp8 import kernels as fp8_kernels
+from fused_ops.fp8 import state as fp8_state
+from fused_ops.fp8 import weight_copies
+from test_fp8 import needs_fp8_gpu
+
+
+def same_bits(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == E4M3 else torch.equal(a, b)
+
+
+def weights_with_special_values(device, scale=1.0):
+    """Weights of several shapes (tiles cut at both edges: 48 x 80, 80 x 208) and contents: plain, one NaN, ±inf and
+    a value past fp8's range, all zeros, subnormal fp32 among ordinary values."""
+    g = torch.Generator(device).manual_seed(0)
+    shapes = [(48, 80), (16, 16), (128, 64), (32, 16), (80, 208), (64, 48)]
+    ws = [torch.randn(s, device=device, generator=g) * scale for s in shapes]
+    ws[2][3, 5] = float("nan")
+    ws[4][0, 0], ws[4][7, 100], ws[4][1, 1] = float("inf"), float("-inf"), -1e30
+    ws[3].zero_()
+    ws[5][::3] *= 1e-38  # (fp32 subnormals once scaled down this far)
+    return ws
+
+
+def check_copies(weights):
+    for i, (w, made) in enumerate(zip(weights, fp8_weight_copies(weights))):
+        want = fp8_state.quantize_weight(w)
+        assert [tuple(t.shape) for t in made] == [tuple(t.shape) for t in want], i
+        assert all(same_bits(m, e) for m, e in zip(made, want)), i
+        assert made[0].is_contiguous() and made[1].is_contiguous()
+        assert made[2].data_ptr() % 16 == 0  # (cuBLAS reads a scale only from a 16-byte aligned address)
+
+
+def test_weight_copies_are_quantize_weight_bit_for_bit_special_values_too():
+    check_copies(weights_with_special_values("cpu", 0.02))
+
+
+def test_weight_copies_follow_the_math():
+    """From the definition, not from quantize_weight: the largest |W| maps to 448 exactly, 1/scale = amax / 448 in
+    fp32, NaN and ±inf come out NaN, a weight of zeros keeps scale 1."""
+    w = torch.tensor([[0.5, -2.0] + [0.25] * 14] * 16)
+    w[3, 3], w[4, 4] = float("nan"), float("inf")
+    finite = torch.tensor([[0.5, -2.0] + [0.25] * 14] * 16)
+    (q, qt, inv), (qf, _, invf), (qz, _, invz) = fp8_weight_copies([w, finite, torch.zeros(16, 16)])
+    assert inv.item() == 1.0  # (NaN or inf in W: scale 1)
+    assert invf.item() == torch.tensor(1 / 224, dtype=torch.float32).item()  # scale 448 / 2 = 224
+    assert qf.float()[0, 1].item() == -448.0 and qf.float()[0, 0].item() == 112.0
+    assert q.float()[3, 3].isnan() and q.float()[4, 4].isnan() and qt.float()[4, 4].isnan()
+    assert q.float()[0, 1].item() == -2.0
+    assert torch.equal(torch.nan_to_num(qt.float()), torch.nan_to_num(q.float().t()))
+    assert invz.item() == 1.0 and not qz.float().any()
+
+
+@pytest.mark.parametrize("bad", ["fp16", "odd", "strided", "none"])
+def test_bad_weights_are_refused_by_name(bad):
+    w = torch.randn(32, 16)
+    weights = {"fp16": [w.half()], "odd": [torch.randn(24, 16)], "strided": [torch.randn(16, 32).t()], "none": []}[bad]
+    with pytest.raises(ValueError, match="fp8_weight_copies"):
+        fp8_weight_copies(weights)
+
+
+def test_the_operator_compiles_fullgraph_to_the_same_bits():
+    torch._dynamo.reset()
+    weights = weights_with_special_values("cpu", 0.02)
+    compiled = torch.compile(fp8_weight_copies, backend="aot_eager", fullgraph=True)
+    for made, want in zip(compiled(weights), fp8_weight_copies(weights)):
+        assert all(same_bits(m, e) for m, e in zip(made, want))
+
+
+def graph_ops(gpt, idx):
+    """The operators of the forward graph that torch.compile traces of gpt (aot_eager), by name."""
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        return gm.forward
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.float16):
+        torch.compile(gpt, backend=backend, fullgraph=True)(idx, idx)[1].backward()
+    return seen
+
+
+@pytest.mark.parametrize("reach", ["mlp", "blocks"])
+def test_a_gpt_compiled_whole_makes_every_copy_in_one_operator(reach):
+    """Two layers, compiled whole: one fp8_weight_copies node for all their FP8 weights (2 a layer with the MLP's
+    reach, 4 with the blocks'), and no weight copy made by a layer (quantize_weight's amax is an abs)."""
+    torch.manual_seed(0)
+    gpt = model.GPT(model.GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16, mlp="fused",
+                                    fp8=True, fp8_reach=reach, dropout=0.0))
+    ops = graph_ops(gpt, torch.randint(0, 64, (2, 16)))
+    assert ops.count("fused_mlp.fp8_weight_copies.default") == 1
+    assert not any("abs" in op for op in ops)
+    assert len(gpt.transformer.h[0].fp8_weights()[0]) == (2 if reach == "blocks" else 0)
+
+
+def test_a_gpt_compiled_whole_trains_as_uncompiled_with_the_mlp_reach():
+    """tests/test_fp8.py's fullgraph test, for fp8_reach="mlp" (the attention in 16 bits): the same losses and
+    weights, bit for bit, with the copies made for both layers at once."""
+    from test_fp8 import fp8_gpt_steps
+    torch._dynamo.reset()
+    plain_losses, plain_params, _ = fp8_gpt_steps(compile=False)
+    losses, params, _ = fp8_gpt_steps(compile=True)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
+def test_weight_copies_are_quantize_weight_bit_for_bit_on_the_gpu():
+    """GPT-2 small's 48 FP8 weights (12 blocks' c_attn, c_proj, c_fc, c_proj) in one call, against
+    quantize_weight_fused (the uncompiled path's) and quantize_weight compiled (a layer's under torch.compile);
+    then the special values' weights."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_state.quantize_weight, dynamic=False)
+    g = torch.Generator("cuda").manual_seed(0)
+    weights = [torch.randn(s, device="cuda", generator=g) * 0.02
+               for s in [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12]
+    for i, (w, made) in enumerate(zip(weights, fp8_weight_copies(weights))):
+        for want in (fp8_kernels.quantize_weight_fused(w), compiled(w)):
+            assert all(same_bits(m, e) for m, e in zip(made, want)), i
+    check_copies(weights_with_special_values("cuda", 0.02))
+    assert FP8_MAX[E4M3] == 448.0
+
+
+@needs_fp8_gpu
+@pytest.mark.gpu
+def test_weight_copies_replay_in_a_cuda_graph_on_the_gpu():
+    """Captured in a CUDA graph (as torch.compile's reduce-overhead records a step), a replay makes the copies of the
+    weights as they are then: the weights changed in place between replays, the copies follow."""
+    weights = [torch.randn(s, device="cuda") for s in [(768, 768), (3072, 768)]]
+    fp8_weight_copies(weights)  # (the plan and the kernels, before the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        made = fp8_weight_copies(weights)
+    for step in range(3):
+        for w in weights:
+            w.mul_(1.5).add_(0.01)
+        graph.replay()
+        for w, copies in zip(weights, made):
+            assert all(same_bits(m, e) for m, e in zip(copies, fp8_state.quantize_weight(w))), step
+    assert len(weight_copies._plans) >= 1
