@@ -1,23 +1,24 @@
-"""Every FP8 weight copy of a model in three launches (model.GPT, under torch.compile).
+"""Every FP8 weight copy of a model in three kernel launches (model.GPT, under torch.compile).
 
 Why. Each FP8 GEMM reads its weight as an e4m3 copy made by current scaling (state.py's quantize_weight): the
 weight's amax, then W8 = fp8(W · 448/amax) and its transpose W8ᵀ (each GEMM takes its weight K-major). Inside
 torch.compile every layer made its own copies at every forward, several kernels a weight; at GPT-2 small's size that
 is 48 weights, most of them too small to fill an H200 on their own, and the copies took about twice their bytes'
-time (results/glue/README.md: 0.59 ms a step against 0.29 at the copy rate). The bytes are fixed (each weight read
-twice, for its amax and for its cast, and two one-byte copies written: 10 bytes a weight); what can go is the number
-of launches and their tails. So here all of a model's weights go through the same two kernels, each one launch over a
-table of the weights' addresses and shapes (as ../adamw.py's FusedAdamW):
+time (results/glue/README.md: 0.59 ms a step against 0.29 at the copy rate). The bytes hardly move (each weight read
+twice, for its amax and for its cast, its copies written, W8 read again for the transpose: 11 bytes a weight); what
+can go is the number of launches and their tails. So here all of a model's weights go through the same three
+kernels, each one launch over a table of the weights' addresses and shapes (as ../adamw.py's FusedAdamW):
 
-    zero    amax_i = 0 for every weight i                               (a memset)
-    amax    amax_i = max |W_i|, NaN counted as inf                      a program a BLOCK of a weight, an atomic max
-    cast    scale_i = 448 / amax_i, correctly rounded (1 where amax_i is 0, inf or NaN),
-            W8_i = fp8(W_i · scale_i) and W8ᵀ_i, a 64 x 64 tile a program; the weight's first tile writes 1/scale_i
+    zero       amax_i = 0 for every weight i                            (a memset)
+    amax       amax_i = max |W_i|, NaN counted as inf                   a program a BLOCK of a weight, an atomic max
+    cast       scale_i = 448 / amax_i, correctly rounded (1 where amax_i is 0, inf or NaN),
+               W8_i = fp8(W_i · scale_i), a 64 x 64 tile a program; the weight's first tile writes 1/scale_i
+    transpose  W8ᵀ_i from W8_i, a tile a program, exactly (kernels.transpose_fp8's way)
 
 which is quantize_weight bit for bit (tests/test_fp8_weight_copies.py): the same amax, the same correctly rounded
-divisions, the same cast (../casts.py's quantize: saturating, ±inf and NaN to NaN). The transposed copy is stored
-from the tile already quantized (tl.trans of 8-bit values, exact), never from the fp32 tile, whose transposed store
-came out wrong on Hopper with Triton 3.6 (kernels.py's cast_transpose_kernel says so).
+divisions, the same cast (../casts.py's quantize: saturating, ±inf and NaN to NaN). The transpose is a pass of its
+own, from the FP8 copy, because a tile loaded in fp32 and stored transposed came out wrong on an H200 with Triton 3.6
+(half the elements; kernels.py's cast_transpose_kernel found the same), as quantize_weight_fused does it.
 
 The outputs are three tensors for all weights (the operator fused_mlp::fp8_weight_copies returns them, so that
 torch.compile sees one node): every W8 end to end in one, every W8ᵀ in another, the 1/scales one 16-byte row a weight
@@ -25,6 +26,7 @@ torch.compile sees one node): every W8 end to end in one, every W8ᵀ in another
 """
 
 import contextlib
+import threading
 
 import torch
 import triton
@@ -32,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import env
-from ..casts import quantize
+from ..casts import quantize, to_fp16
 from ..ops import fused_op
 from ..tuning import LaunchPlan
 from .kernels import E4M3, FP8_MAX
@@ -55,10 +57,10 @@ def weight_amax_kernel(table_ptr, block_weight_ptr, block_index_ptr, amax_ptr, n
 
 
 @triton.jit
-def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_ptr, qt_ptr, inv_ptr, n,
+def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_ptr, inv_ptr, n,
                        FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr):
-    """One TILE x TILE tile of W_i (N, K) into W8_i (row-major, at its offset in q_ptr) and W8ᵀ_i (K, N), with the
-    weight's current scale; its first tile also writes 1/scale into inv_ptr's row i."""
+    """One TILE x TILE tile of W_i (N, K) into W8_i (row-major, at its offset in q_ptr), with the weight's current
+    scale; its first tile also writes 1/scale into inv_ptr's row i."""
     program = tl.program_id(0)
     i = tl.load(tile_weight_ptr + program)
     tile = tl.load(tile_index_ptr + program)
@@ -75,20 +77,58 @@ def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_p
     usable = (amax > 0.0) & (amax < float("inf"))  # (NaN compares false)
     # correctly rounded divisions, as quantize_weight's (Triton's `/` on fp32 is approximate on a GPU)
     scale = tl.where(usable, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), tl.where(usable, amax, 1.0)), 1.0)
-    q = quantize(w, scale, q_ptr.dtype.element_ty, EMULATE)
-    tl.store(q_ptr + offset + offs_n[:, None] * K + offs_k[None, :], q,
+    tl.store(q_ptr + offset + offs_n[:, None] * K + offs_k[None, :], quantize(w, scale, q_ptr.dtype.element_ty, EMULATE),
              mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
-    tl.store(qt_ptr + offset + offs_k[:, None] * N + offs_n[None, :], tl.trans(q),
-             mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])
     if tile == 0:
         tl.store(inv_ptr + 4 * i, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
+
+
+@triton.jit
+def weight_transpose_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, q_ptr, qt_ptr, n, EMULATE: tl.constexpr,
+                            TILE: tl.constexpr):
+    """One TILE x TILE tile of W8_i (N, K) into W8ᵀ_i (K, N), exactly: kernels.transpose_fp8's way, the FP8 tile
+    widened, transposed and cast back at scale 1."""
+    program = tl.program_id(0)
+    i = tl.load(tile_weight_ptr + program)
+    tile = tl.load(tile_index_ptr + program)
+    N = tl.load(table_ptr + n + i).to(tl.int32)
+    K = tl.multiple_of(tl.load(table_ptr + 2 * n + i).to(tl.int32), 16)
+    offset = tl.multiple_of(tl.load(table_ptr + 3 * n + i), 16)
+    tiles_k = tl.cdiv(K, TILE)
+    offs_n = (tile // tiles_k) * TILE + tl.arange(0, TILE)
+    offs_k = (tile % tiles_k) * TILE + tl.arange(0, TILE)
+    q = tl.load(q_ptr + offset + offs_n[:, None] * K + offs_k[None, :],
+                mask=(offs_n < N)[:, None] & (offs_k < K)[None, :], other=0.0)
+    if EMULATE:  # (the interpreter's hand encoding would drop -0's sign: its bits are moved instead)
+        qt = tl.trans(q.to(tl.uint8, bitcast=True)).to(q.dtype, bitcast=True)
+    else:
+        qt = quantize(tl.trans(to_fp16(q, False).to(tl.float32)), 1.0, q_ptr.dtype.element_ty, False)
+    tl.store(qt_ptr + offset + offs_k[:, None] * N + offs_n[None, :], qt,
+             mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])
+
+
+def _on_device(tensors, device):
+    """tensors copied to device outside any CUDA-graph pool. While torch.compile's CUDA graphs warm a graph up, the
+    thread's allocations go to that graph's pool, and a plan kept past the warm-up would be memory the pool does not
+    track (cudagraph trees refuse to record then): the copies are made by a thread of their own, once per plan."""
+    if device.type != "cuda":
+        return [t.to(device) for t in tensors]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("fp8_weight_copies: a new set of weights while a CUDA graph is being captured; call it "
+                           "once with these weights before the capture (torch.compile's CUDA graphs warm up first)")
+    out = []  # (copies from pageable memory: done when .to returns)
+    thread = threading.Thread(target=lambda: out.extend(t.to(device) for t in tensors))
+    thread.start()
+    thread.join()
+    if len(out) != len(tensors):
+        raise RuntimeError("fp8_weight_copies: could not copy its launch table to the GPU")
+    return out
 
 
 class _Plan:
     """One set of weights' launches: the device table (addresses, N, K, the copies' offsets) and, per program, which
     weight and which block or tile of it is its own. Kept per set of addresses and shapes (the parameters of a model
-    stay where they are); the table's host copy is kept too, so that a CUDA graph that captured its upload replays
-    it from memory nobody reuses."""
+    stay where they are)."""
 
     def __init__(self, weights):
         self.device = weights[0].device
@@ -102,18 +142,18 @@ class _Plan:
                             dtype=torch.int64).reshape(-1)
         blocks = [triton.cdiv(m, AMAX_BLOCK) for m in numels]
         tiles = [triton.cdiv(N, TILE) * triton.cdiv(K, TILE) for N, K in shapes]
-        self.maps = []
+        maps = []
         for counts in (blocks, tiles):
-            which = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), torch.tensor(counts))
-            index = torch.cat([torch.arange(c, dtype=torch.int32) for c in counts])
-            self.maps.append((which.to(self.device), index.to(self.device), len(which)))
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        self.host, self.table = host, host.to(self.device, non_blocking=True)
+            maps += [torch.repeat_interleave(torch.arange(n, dtype=torch.int32), torch.tensor(counts)),
+                     torch.cat([torch.arange(c, dtype=torch.int32) for c in counts])]
+        self.table, *maps = _on_device([host, *maps], self.device)
+        self.maps = [(maps[0], maps[1], len(maps[0])), (maps[2], maps[3], len(maps[2]))]
         self.amax_plan = LaunchPlan(weight_amax_kernel, triton.Config({}, num_warps=4, num_stages=1),
                                     dict(BLOCK=AMAX_BLOCK))
         self.cast_plan = LaunchPlan(weight_cast_kernel, triton.Config({}, num_warps=4, num_stages=1),
                                     dict(FP8_MAX=FP8_MAX[E4M3], EMULATE=env.INTERPRET, TILE=TILE))
+        self.transpose_plan = LaunchPlan(weight_transpose_kernel, triton.Config({}, num_warps=4, num_stages=1),
+                                         dict(EMULATE=env.INTERPRET, TILE=TILE))
 
     def run(self, n):
         q = torch.empty(self.total, device=self.device, dtype=E4M3)
@@ -123,7 +163,8 @@ class _Plan:
         (bw, bi, blocks), (tw, ti, tiles) = self.maps
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self.amax_plan.launch_grid((blocks,), [self.table, bw, bi, amax, n])
-            self.cast_plan.launch_grid((tiles,), [self.table, tw, ti, amax, q, qt, inv, n])
+            self.cast_plan.launch_grid((tiles,), [self.table, tw, ti, amax, q, inv, n])
+            self.transpose_plan.launch_grid((tiles,), [self.table, tw, ti, q, qt, n])
         return q, qt, inv
 
 
