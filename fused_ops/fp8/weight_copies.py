@@ -57,20 +57,28 @@ def weight_amax_kernel(table_ptr, block_weight_ptr, block_index_ptr, amax_ptr, n
 
 
 @triton.jit
-def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_ptr, inv_ptr, n,
-                       FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr):
-    """One TILE x TILE tile of W_i (N, K) into W8_i (row-major, at its offset in q_ptr), with the weight's current
-    scale; its first tile also writes 1/scale into inv_ptr's row i."""
+def _tile(table_ptr, tile_weight_ptr, tile_index_ptr, n, TILE: tl.constexpr):
+    """This program's tile: (its weight i, the tile's index in it, the weight's N and K, its copies' offset, the
+    tile's rows and columns)."""
     program = tl.program_id(0)
     i = tl.load(tile_weight_ptr + program)
     tile = tl.load(tile_index_ptr + program)
-    w_ptr = tl.multiple_of(tl.load(table_ptr + i).to(tl.pointer_type(tl.float32)), 16)
     N = tl.load(table_ptr + n + i).to(tl.int32)
     K = tl.multiple_of(tl.load(table_ptr + 2 * n + i).to(tl.int32), 16)
     offset = tl.multiple_of(tl.load(table_ptr + 3 * n + i), 16)
     tiles_k = tl.cdiv(K, TILE)
     offs_n = (tile // tiles_k) * TILE + tl.arange(0, TILE)
     offs_k = (tile % tiles_k) * TILE + tl.arange(0, TILE)
+    return i, tile, N, K, offset, offs_n, offs_k
+
+
+@triton.jit
+def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_ptr, inv_ptr, n,
+                       FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr):
+    """One TILE x TILE tile of W_i (N, K) into W8_i (row-major, at its offset in q_ptr), with the weight's current
+    scale; its first tile also writes 1/scale into inv_ptr's row i."""
+    i, tile, N, K, offset, offs_n, offs_k = _tile(table_ptr, tile_weight_ptr, tile_index_ptr, n, TILE)
+    w_ptr = tl.multiple_of(tl.load(table_ptr + i).to(tl.pointer_type(tl.float32)), 16)
     w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n < N)[:, None] & (offs_k < K)[None, :],
                 other=0.0)
     amax = tl.load(amax_ptr + i)
@@ -88,15 +96,7 @@ def weight_transpose_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, q_ptr, q
                             TILE: tl.constexpr):
     """One TILE x TILE tile of W8_i (N, K) into W8ᵀ_i (K, N), exactly: kernels.transpose_fp8's way, the FP8 tile
     widened, transposed and cast back at scale 1."""
-    program = tl.program_id(0)
-    i = tl.load(tile_weight_ptr + program)
-    tile = tl.load(tile_index_ptr + program)
-    N = tl.load(table_ptr + n + i).to(tl.int32)
-    K = tl.multiple_of(tl.load(table_ptr + 2 * n + i).to(tl.int32), 16)
-    offset = tl.multiple_of(tl.load(table_ptr + 3 * n + i), 16)
-    tiles_k = tl.cdiv(K, TILE)
-    offs_n = (tile // tiles_k) * TILE + tl.arange(0, TILE)
-    offs_k = (tile % tiles_k) * TILE + tl.arange(0, TILE)
+    i, tile, N, K, offset, offs_n, offs_k = _tile(table_ptr, tile_weight_ptr, tile_index_ptr, n, TILE)
     q = tl.load(q_ptr + offset + offs_n[:, None] * K + offs_k[None, :],
                 mask=(offs_n < N)[:, None] & (offs_k < K)[None, :], other=0.0)
     if EMULATE:  # (the interpreter's hand encoding would drop -0's sign: its bits are moved instead)
