@@ -321,8 +321,10 @@ class GPT(nn.Module):
         if not (self.config.fp8 and torch.is_grad_enabled() and torch.compiler.is_compiling()):
             return None
         weights = [block.fp8_weights() for block in self.transformer.h]
-        made = import_fused_ops(required=True).fp8_weight_copies([w for pair in weights for part in pair for w in part])
-        copies = iter(made)  # (W8, W8ᵀ, 1/scale) a weight: the attention takes one a linear, the MLP all six in one
+        flat, fused_ops = [w for pair in weights for part in pair for w in part], import_fused_ops(required=True)
+        if not fused_ops.fp8.weight_copies.can_run(flat):
+            return None  # (weights of several dtypes, say: each layer makes its own)
+        copies = iter(fused_ops.fp8_weight_copies(flat))  # (W8, W8ᵀ, 1/scale) a weight: the attention takes one a linear, the MLP all six in one
         return [(tuple(next(copies) for _ in attn) or None, tuple(c for _ in mlp for c in next(copies)) or None)
                 for attn, mlp in weights]
 

@@ -31,7 +31,8 @@ def _encode_fp8(v, OUT: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr
     normal = r >= MIN_NORMAL  # 2**(1 - BIAS)
     field = tl.where(normal, ((r_exp + BIAS) << MANTISSA) | ((bits >> (23 - MANTISSA)) & ((1 << MANTISSA) - 1)),
                      steps.to(tl.int32))
-    code = tl.where(v != v, 0x7F, field | tl.where(v < 0, 0x80, 0))  # 0x7F: NaN in both formats
+    negative = v.to(tl.int32, bitcast=True) < 0  # the sign bit: -0 stays -0, as the hardware conversion keeps it
+    code = tl.where(v != v, 0x7F, field | tl.where(negative, 0x80, 0))  # 0x7F: NaN in both formats
     return code.to(tl.uint8).to(OUT, bitcast=True)
 
 

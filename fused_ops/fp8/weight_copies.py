@@ -39,19 +39,21 @@ from ..ops import fused_op
 from ..tuning import LaunchPlan
 from .kernels import E4M3, FP8_MAX
 
+W_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AMAX_BLOCK = 4096  # elements an amax program reads (4 warps: 32 a thread)
 TILE = 64  # a cast program's tile, TILE x TILE: the row-major cast's tile of kernels.CAST_TILE
 
 
 @triton.jit
-def weight_amax_kernel(table_ptr, block_weight_ptr, block_index_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+def weight_amax_kernel(table_ptr, block_weight_ptr, block_index_ptr, amax_ptr, n, W_DTYPE: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """amax_ptr[i] = max(amax_ptr[i], max |W_i| over this program's block), NaN counted as inf."""
     program = tl.program_id(0)
     i = tl.load(block_weight_ptr + program)
-    w_ptr = tl.multiple_of(tl.load(table_ptr + i).to(tl.pointer_type(tl.float32)), 16)
+    w_ptr = tl.multiple_of(tl.load(table_ptr + i).to(tl.pointer_type(W_DTYPE)), 16)
     numel = tl.load(table_ptr + n + i) * tl.load(table_ptr + 2 * n + i)
     offs = tl.load(block_index_ptr + program) * BLOCK + tl.arange(0, BLOCK)
-    w = tl.load(w_ptr + offs, mask=offs < numel, other=0.0)
+    w = tl.load(w_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
     a = tl.where(w == w, tl.abs(w), float("inf"))  # (NaN: either makes the scale 1, as in quantize_weight)
     tl.atomic_max(amax_ptr + i, tl.max(a, axis=0), sem="relaxed")
 
@@ -73,14 +75,14 @@ def _tile(table_ptr, tile_weight_ptr, tile_index_ptr, n, TILE: tl.constexpr):
 
 
 @triton.jit
-def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_ptr, inv_ptr, n,
+def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_ptr, inv_ptr, n, W_DTYPE: tl.constexpr,
                        FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr):
     """One TILE x TILE tile of W_i (N, K) into W8_i (row-major, at its offset in q_ptr), with the weight's current
     scale; its first tile also writes 1/scale into inv_ptr's row i."""
     i, tile, N, K, offset, offs_n, offs_k = _tile(table_ptr, tile_weight_ptr, tile_index_ptr, n, TILE)
-    w_ptr = tl.multiple_of(tl.load(table_ptr + i).to(tl.pointer_type(tl.float32)), 16)
+    w_ptr = tl.multiple_of(tl.load(table_ptr + i).to(tl.pointer_type(W_DTYPE)), 16)
     w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=(offs_n < N)[:, None] & (offs_k < K)[None, :],
-                other=0.0)
+                other=0.0).to(tl.float32)
     amax = tl.load(amax_ptr + i)
     usable = (amax > 0.0) & (amax < float("inf"))  # (NaN compares false)
     # correctly rounded divisions, as quantize_weight's (Triton's `/` on fp32 is approximate on a GPU)
@@ -148,10 +150,11 @@ class _Plan:
                      torch.cat([torch.arange(c, dtype=torch.int32) for c in counts])]
         self.table, *maps = _on_device([host, *maps], self.device)
         self.maps = [(maps[0], maps[1], len(maps[0])), (maps[2], maps[3], len(maps[2]))]
+        w_dtype = W_DTYPES[weights[0].dtype]
         self.amax_plan = LaunchPlan(weight_amax_kernel, triton.Config({}, num_warps=4, num_stages=1),
-                                    dict(BLOCK=AMAX_BLOCK))
+                                    dict(W_DTYPE=w_dtype, BLOCK=AMAX_BLOCK))
         self.cast_plan = LaunchPlan(weight_cast_kernel, triton.Config({}, num_warps=4, num_stages=1),
-                                    dict(FP8_MAX=FP8_MAX[E4M3], EMULATE=env.INTERPRET, TILE=TILE))
+                                    dict(W_DTYPE=w_dtype, FP8_MAX=FP8_MAX[E4M3], EMULATE=env.INTERPRET, TILE=TILE))
         self.transpose_plan = LaunchPlan(weight_transpose_kernel, triton.Config({}, num_warps=4, num_stages=1),
                                          dict(EMULATE=env.INTERPRET, TILE=TILE))
 
@@ -172,14 +175,23 @@ _plans = {}  # by the weights' addresses and shapes
 MAX_PLANS = 64  # (a process that builds many models, the tests: the oldest plans go)
 
 
+def can_run(weights):
+    """Whether fp8_weight_copies takes these weights: at least one; each (N, K) with N and K multiples of 16,
+    contiguous; all of one dtype (float32, bfloat16 or float16) and on one device, a GPU or the CPU under the
+    interpreter. (Also asked inside torch.compile's trace: nothing here reads an address.)"""
+    return bool(weights) and all(
+        w.dim() == 2 and w.dtype == weights[0].dtype and w.dtype in W_DTYPES and w.is_contiguous()
+        and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0 and w.device == weights[0].device
+        and (w.is_cuda or (env.INTERPRET and w.device.type == "cpu")) for w in weights)
+
+
 def _check(weights):
-    if not weights:
-        raise ValueError("fp8_weight_copies needs at least one weight")
-    for w in weights:
-        if (w.dim() != 2 or w.dtype != torch.float32 or not w.is_contiguous() or w.shape[0] % 16 or w.shape[1] % 16
-                or w.device != weights[0].device):
-            raise ValueError(f"fp8_weight_copies takes contiguous float32 weights (N, K), N and K multiples of 16, on "
-                             f"one device; got {w.dtype} {tuple(w.shape)} on {w.device} (with {weights[0].device})")
+    """can_run's conditions, and 16-byte aligned addresses (the kernels load 16 bytes at a time), else one error."""
+    if not can_run(weights) or any(w.data_ptr() % 16 for w in weights):
+        found = sorted({f"{w.dtype} {tuple(w.shape)} on {w.device}" for w in weights})[:4]
+        raise ValueError("fp8_weight_copies takes weights (N, K) with N and K multiples of 16, contiguous and 16-byte "
+                         "aligned, all float32, all bfloat16 or all float16, on one GPU (the CPU under the "
+                         f"interpreter); got {len(weights)}: {', '.join(found) or 'none'}")
 
 
 @fused_op("fp8_weight_copies")
@@ -204,7 +216,8 @@ def _(weights):
 
 def fp8_weight_copies(weights):
     """[(W8 (N, K), W8ᵀ (K, N), 1/scale (1,)) for each weight]: quantize_weight of each, bit for bit, in three
-    launches for all of them (see above). weights: the fp32 masters (contiguous, N and K multiples of 16)."""
+    launches for all of them (see above). weights: the masters (fp32 under autocast, or a 16-bit model's), as
+    can_run says."""
     q, qt, inv = fp8_weight_copies_op([w.detach() for w in weights])
     copies, start = [], 0
     for i, w in enumerate(weights):
