@@ -159,6 +159,7 @@ def weight_scale_kernel(amax_ptr, scale_ptr, inv_ptr, FP8_MAX: tl.constexpr):
     usable = (amax > 0.0) & (amax < float("inf"))  # (NaN compares false)
     # correctly rounded divisions, as torch's (Triton's `/` on fp32 is approximate on a GPU)
     scale = tl.where(usable, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), tl.where(usable, amax, 1.0)), 1.0)
+    scale = tl.minimum(scale, 3.4028234663852886e38)  # (amax below 448 / FLT_MAX: finite, as quantize_weight)
     tl.store(scale_ptr, scale)
     tl.store(scale_ptr + 2, 1.0)
     tl.store(inv_ptr, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))

@@ -176,7 +176,10 @@ def quantize_weight(w):
     # divide fp32 approximately (an ulp off: results/glue/README.md). The compiled and uncompiled paths must agree
     # bit for bit. (A tensor over a tensor: a float over a tensor is computed as float · (1/tensor).)
     a64 = amax.double()
-    scale = torch.where((amax > 0) & amax.isfinite(), (a64.new_tensor(FP8_MAX[E4M3]) / a64).float(),
+    # (an amax below 448 / FLT_MAX would make the scale inf, and every weight NaN: the largest float instead, whose
+    # copies still dequantize to W)
+    scale = torch.where((amax > 0) & amax.isfinite(),
+                        (a64.new_tensor(FP8_MAX[E4M3]) / a64).float().clamp(max=torch.finfo(torch.float32).max),
                         torch.ones_like(amax))
     q = (w * scale).clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3])
     q = torch.where(w.isinf(), float("nan"), q).to(E4M3)  # ±inf: NaN, as in the kernels

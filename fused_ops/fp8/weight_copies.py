@@ -1,4 +1,4 @@
-"""Every FP8 weight copy of a model in three kernel launches (model.GPT, under torch.compile).
+"""Every FP8 weight copy of a model in three kernel launches and a memset (model.GPT, under torch.compile).
 
 Why. Each FP8 GEMM reads its weight as an e4m3 copy made by current scaling (state.py's quantize_weight): the
 weight's amax, then W8 = fp8(W · 448/amax) and its transpose W8ᵀ (each GEMM takes its weight K-major). Inside
@@ -11,7 +11,7 @@ kernels, each one launch over a table of the weights' addresses and shapes (as .
 
     zero       amax_i = 0 for every weight i                            (a memset)
     amax       amax_i = max |W_i|, NaN counted as inf                   a program a BLOCK of a weight, an atomic max
-    cast       scale_i = 448 / amax_i, correctly rounded (1 where amax_i is 0, inf or NaN),
+    cast       scale_i = 448 / amax_i, correctly rounded (1 where amax_i is 0, inf or NaN; at most the largest float),
                W8_i = fp8(W_i · scale_i), a 64 x 64 tile a program; the weight's first tile writes 1/scale_i
     transpose  W8ᵀ_i from W8_i, a tile a program, exactly (kernels.transpose_fp8's way)
 
@@ -37,8 +37,9 @@ from .. import env
 from ..casts import quantize, to_fp16
 from ..ops import fused_op
 from ..tuning import LaunchPlan
-from .kernels import E4M3, FP8_MAX
+from .kernels import E4M3, FP8_MAX, quantize_weight_fused
 
+FLOAT32_MAX: tl.constexpr = 3.4028234663852886e38
 W_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AMAX_BLOCK = 4096  # elements an amax program reads (4 warps: 32 a thread)
 TILE = 64  # a cast program's tile, TILE x TILE: the row-major cast's tile of kernels.CAST_TILE
@@ -87,6 +88,7 @@ def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_p
     usable = (amax > 0.0) & (amax < float("inf"))  # (NaN compares false)
     # correctly rounded divisions, as quantize_weight's (Triton's `/` on fp32 is approximate on a GPU)
     scale = tl.where(usable, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), tl.where(usable, amax, 1.0)), 1.0)
+    scale = tl.minimum(scale, FLOAT32_MAX)  # (amax below 448 / FLOAT32_MAX: as quantize_weight)
     tl.store(q_ptr + offset + offs_n[:, None] * K + offs_k[None, :], quantize(w, scale, q_ptr.dtype.element_ty, EMULATE),
              mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
     if tile == 0:
@@ -115,9 +117,8 @@ def _on_device(tensors, device):
     track (cudagraph trees refuse to record then): the copies are made by a thread of their own, once per plan."""
     if device.type != "cuda":
         return [t.to(device) for t in tensors]
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("fp8_weight_copies: a new set of weights while a CUDA graph is being captured; call it "
-                           "once with these weights before the capture (torch.compile's CUDA graphs warm up first)")
+    if torch.cuda.is_current_stream_capturing():  # (fp8_weight_copies_op goes one by one then)
+        raise RuntimeError("fp8_weight_copies: a launch table cannot be copied while a CUDA graph is captured")
     out = []  # (copies from pageable memory: done when .to returns)
     thread = threading.Thread(target=lambda: out.extend(t.to(device) for t in tensors))
     thread.start()
@@ -161,8 +162,8 @@ class _Plan:
     def run(self, n):
         q = torch.empty(self.total, device=self.device, dtype=E4M3)
         qt = torch.empty_like(q)
-        inv = torch.empty((n, 4), device=self.device)
-        amax = torch.zeros(n, device=self.device)
+        inv = torch.empty((n, 4), device=self.device, dtype=torch.float32)
+        amax = torch.zeros(n, device=self.device, dtype=torch.float32)
         (bw, bi, blocks), (tw, ti, tiles) = self.maps
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self.amax_plan.launch_grid((blocks,), [self.table, bw, bi, amax, n])
@@ -171,17 +172,18 @@ class _Plan:
         return q, qt, inv
 
 
-_plans = {}  # by the weights' addresses and shapes
-MAX_PLANS = 64  # (a process that builds many models, the tests: the oldest plans go)
+# By the weights' addresses, shapes and dtype. Never dropped: a CUDA graph that captured a plan's launches reads its
+# tables at every replay (a few hundred KB a model).
+_plans = {}
 
 
 def can_run(weights):
-    """Whether fp8_weight_copies takes these weights: at least one; each (N, K) with N and K multiples of 16,
-    contiguous; all of one dtype (float32, bfloat16 or float16) and on one device, a GPU or the CPU under the
+    """Whether fp8_weight_copies takes these weights: at least one; each (N, K) with N and K multiples of 16 and fewer
+    than 2**31 elements (32-bit offsets), contiguous; all of one dtype (float32, bfloat16 or float16) and on one device, a GPU or the CPU under the
     interpreter. (Also asked inside torch.compile's trace: nothing here reads an address.)"""
     return bool(weights) and all(
         w.dim() == 2 and w.dtype == weights[0].dtype and w.dtype in W_DTYPES and w.is_contiguous()
-        and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0 and w.device == weights[0].device
+        and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0 and w.numel() < 2**31 and w.device == weights[0].device
         and (w.is_cuda or (env.INTERPRET and w.device.type == "cpu")) for w in weights)
 
 
@@ -198,13 +200,28 @@ def _check(weights):
 def fp8_weight_copies_op(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(every W8 end to end, every W8ᵀ end to end, the 1/scales (n, 4), each weight's in column 0)."""
     _check(weights)
-    key = tuple((w.data_ptr(), *w.shape) for w in weights)
+    key = (weights[0].dtype, weights[0].device, *((w.data_ptr(), *w.shape) for w in weights))
     plan = _plans.get(key)
+    if plan is None and weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return _one_by_one(weights)
     if plan is None:
-        if len(_plans) >= MAX_PLANS:
-            del _plans[next(iter(_plans))]
         plan = _plans[key] = _Plan([w.detach() for w in weights])
     return plan.run(len(weights))
+
+
+def _one_by_one(weights):
+    """The same outputs, each weight through kernels.quantize_weight_fused (the same bits; no table to upload): for
+    weights first seen while a CUDA graph is being captured (a graph re-recorded for moved parameters), where the
+    tables cannot be copied to the GPU. The graph then replays these launches."""
+    q = torch.empty(sum(w.numel() for w in weights), device=weights[0].device, dtype=E4M3)
+    qt = torch.empty_like(q)
+    inv = torch.empty((len(weights), 4), device=q.device, dtype=torch.float32)
+    start = 0
+    for i, w in enumerate(weights):
+        (N, K), end = w.shape, start + w.numel()
+        quantize_weight_fused(w, (q[start:end].view(N, K), qt[start:end].view(K, N), inv[i, :1]))
+        start = end
+    return q, qt, inv
 
 
 @fp8_weight_copies_op.register_fake
