@@ -130,8 +130,8 @@ def _on_device(tensors, device):
 
 class _Plan:
     """One set of weights' launches: the device table (addresses, N, K, the copies' offsets) and, per program, which
-    weight and which block or tile of it is its own. Kept per set of addresses and shapes (the parameters of a model
-    stay where they are)."""
+    weight and which block or tile of it is its own. Kept per set of addresses, shapes and dtype (the parameters of
+    a model stay where they are)."""
 
     def __init__(self, weights):
         self.device = weights[0].device
