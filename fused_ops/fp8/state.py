@@ -176,8 +176,8 @@ def quantize_weight(w):
     # divide fp32 approximately (an ulp off: results/glue/README.md). The compiled and uncompiled paths must agree
     # bit for bit. (A tensor over a tensor: a float over a tensor is computed as float · (1/tensor).)
     a64 = amax.double()
-    # (an amax below 448 / FLT_MAX would make the scale inf, and every weight NaN: the largest float instead, whose
-    # copies still dequantize to W)
+    # (an amax below 448 / FLT_MAX would make the scale inf: these copies ±448 with a 1/scale of 0, the kernels' NaN;
+    # the largest float instead, whose copies dequantize to W, in all three)
     scale = torch.where((amax > 0) & amax.isfinite(),
                         (a64.new_tensor(FP8_MAX[E4M3]) / a64).float().clamp(max=torch.finfo(torch.float32).max),
                         torch.ones_like(amax))
