@@ -25,8 +25,8 @@ def same_bits(a, b):
 
 def weights_with_special_values(device, scale=1.0):
     """Weights of several shapes (tiles cut at both edges: 48 x 80, 80 x 208) and contents: plain, one NaN, ±inf and
-    a value past fp8's range, all zeros, subnormal fp32 among ordinary values, all below 448 / FLT_MAX (a scale that
-    would overflow to inf)."""
+    a value past fp8's range, all zeros, subnormal fp32 among ordinary values, and one whose values all lie below
+    448 / FLT_MAX (its scale would overflow to inf)."""
     g = torch.Generator(device).manual_seed(0)
     shapes = [(48, 80), (16, 16), (128, 64), (32, 16), (80, 208), (64, 48), (16, 32)]
     ws = [torch.randn(s, device=device, generator=g, dtype=torch.float32) * scale for s in shapes]
