@@ -117,8 +117,6 @@ def _on_device(tensors, device):
     track (cudagraph trees refuse to record then): the copies are made by a thread of their own, once per plan."""
     if device.type != "cuda":
         return [t.to(device) for t in tensors]
-    if torch.cuda.is_current_stream_capturing():  # (fp8_weight_copies_op goes one by one then)
-        raise RuntimeError("fp8_weight_copies: a launch table cannot be copied while a CUDA graph is captured")
     out = []  # (copies from pageable memory: done when .to returns)
     thread = threading.Thread(target=lambda: out.extend(t.to(device) for t in tensors))
     thread.start()
@@ -140,7 +138,7 @@ class _Plan:
         offsets = [0]
         for m in numels[:-1]:
             offsets.append(offsets[-1] + m)  # (N and K are multiples of 16: every offset is 16-byte aligned)
-        self.total, n = sum(numels), len(weights)
+        n = len(weights)
         host = torch.tensor([[w.data_ptr() for w in weights], [N for N, _ in shapes], [K for _, K in shapes], offsets],
                             dtype=torch.int64).reshape(-1)
         blocks = [triton.cdiv(m, AMAX_BLOCK) for m in numels]
@@ -159,10 +157,8 @@ class _Plan:
         self.transpose_plan = LaunchPlan(weight_transpose_kernel, triton.Config({}, num_warps=4, num_stages=1),
                                          dict(EMULATE=env.INTERPRET, TILE=TILE))
 
-    def run(self, n):
-        q = torch.empty(self.total, device=self.device, dtype=E4M3)
-        qt = torch.empty_like(q)
-        inv = torch.empty((n, 4), device=self.device, dtype=torch.float32)
+    def run(self, weights):
+        (q, qt, inv), n = _outputs(weights), len(weights)
         amax = torch.zeros(n, device=self.device, dtype=torch.float32)
         (bw, bi, blocks), (tw, ti, tiles) = self.maps
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
@@ -206,39 +202,40 @@ def fp8_weight_copies_op(weights: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]
         return _one_by_one(weights)
     if plan is None:
         plan = _plans[key] = _Plan([w.detach() for w in weights])
-    return plan.run(len(weights))
+    return plan.run(weights)
 
 
 def _one_by_one(weights):
     """The same outputs, each weight through kernels.quantize_weight_fused (the same bits; no table to upload): for
     weights first seen while a CUDA graph is being captured (a graph re-recorded for moved parameters), where the
     tables cannot be copied to the GPU. The graph then replays these launches."""
+    outputs = _outputs(weights)
+    for w, copies in zip(weights, _views(*outputs, weights)):
+        quantize_weight_fused(w, copies)
+    return outputs
+
+
+def _outputs(weights):
+    """(every W8 end to end, every W8ᵀ end to end, the 1/scales one 16-byte row a weight), unwritten."""
     q = torch.empty(sum(w.numel() for w in weights), device=weights[0].device, dtype=E4M3)
-    qt = torch.empty_like(q)
-    inv = torch.empty((len(weights), 4), device=q.device, dtype=torch.float32)
-    start = 0
+    return q, torch.empty_like(q), torch.empty((len(weights), 4), device=q.device, dtype=torch.float32)
+
+
+def _views(q, qt, inv, weights):
+    """Each weight's (W8 (N, K), W8ᵀ (K, N), 1/scale (1,)) in the three outputs."""
+    views, start = [], 0
     for i, w in enumerate(weights):
         (N, K), end = w.shape, start + w.numel()
-        quantize_weight_fused(w, (q[start:end].view(N, K), qt[start:end].view(K, N), inv[i, :1]))
+        views.append((q[start:end].view(N, K), qt[start:end].view(K, N), inv[i, :1]))
         start = end
-    return q, qt, inv
+    return views
 
 
-@fp8_weight_copies_op.register_fake
-def _(weights):
-    total = sum(w.numel() for w in weights)
-    q = weights[0].new_empty(total, dtype=E4M3)
-    return q, torch.empty_like(q), weights[0].new_empty((len(weights), 4), dtype=torch.float32)
+fp8_weight_copies_op.register_fake(_outputs)
 
 
 def fp8_weight_copies(weights):
     """[(W8 (N, K), W8ᵀ (K, N), 1/scale (1,)) for each weight]: quantize_weight of each, bit for bit, in three
     launches for all of them (see above). weights: the masters (fp32 under autocast, or a 16-bit model's), as
     can_run says."""
-    q, qt, inv = fp8_weight_copies_op([w.detach() for w in weights])
-    copies, start = [], 0
-    for i, w in enumerate(weights):
-        (N, K), end = w.shape, start + w.numel()
-        copies.append((q[start:end].view(N, K), qt[start:end].view(K, N), inv[i, :1]))
-        start = end
-    return copies
+    return _views(*fp8_weight_copies_op([w.detach() for w in weights]), weights)
