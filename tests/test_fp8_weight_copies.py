@@ -53,15 +53,17 @@ def test_weight_copies_are_quantize_weight_bit_for_bit_special_values_too():
 
 def test_weight_copies_follow_the_math():
     """From the definition, not from quantize_weight: the largest |W| maps to 448 exactly, 1/scale = amax / 448 in
-    fp32, NaN and ±inf come out NaN, a weight of zeros keeps scale 1."""
+    fp32, NaN and ±inf come out NaN (scale 1, values past the range saturated), a weight of zeros keeps scale 1."""
     w = torch.tensor([[0.5, -2.0] + [0.25] * 14] * 16)
-    w[3, 3], w[4, 4] = float("nan"), float("inf")
+    w[3, 3], w[4, 4], w[5, 5] = float("nan"), float("inf"), float("-inf")
+    w[6, 6], w[7, 7] = 1000.0, -1e30  # (at scale 1: past e4m3's range, saturated to ±448)
     finite = torch.tensor([[0.5, -2.0] + [0.25] * 14] * 16)
     (q, qt, inv), (qf, _, invf), (qz, _, invz) = fp8_weight_copies([w, finite, torch.zeros(16, 16)])
     assert inv.item() == 1.0  # (NaN or inf in W: scale 1)
     assert invf.item() == torch.tensor(1 / 224, dtype=torch.float32).item()  # scale 448 / 2 = 224
     assert qf.float()[0, 1].item() == -448.0 and qf.float()[0, 0].item() == 112.0
-    assert q.float()[3, 3].isnan() and q.float()[4, 4].isnan() and qt.float()[4, 4].isnan()
+    assert q.float()[3, 3].isnan() and q.float()[4, 4].isnan() and qt.float()[4, 4].isnan() and q.float()[5, 5].isnan()
+    assert q.float()[6, 6].item() == 448.0 and q.float()[7, 7].item() == -448.0 and qt.float()[7, 7].item() == -448.0
     assert q.float()[0, 1].item() == -2.0
     assert torch.equal(torch.nan_to_num(qt.float()), torch.nan_to_num(q.float().t()))
     assert invz.item() == 1.0 and not qz.float().any()
