@@ -146,3 +146,16 @@ def test_no_product_file_is_too_long():
         if n > MAX_LINES and path not in LONG_ALLOWED:
             long[path] = n
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_kernel_constants_are_constexpr_instances():
+    """A module-level constant a kernel reads must be `NAME = tl.constexpr(value)`: Triton 3.6 (the GPU image's)
+    refuses the annotated form `NAME: tl.constexpr = value` at compile time, while newer Triton and the interpreter
+    accept it, so only a GPU run would find it."""
+    annotated = []
+    for path in product_files(("fused_ops", "fused_ops/hopper", "fused_ops/fp8")):
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        annotated += [f"{path}:{node.lineno}" for node in tree.body
+                      if isinstance(node, ast.AnnAssign) and "constexpr" in ast.unparse(node.annotation)]
+    assert not annotated, f"annotated constexpr globals (write NAME = tl.constexpr(value)): {annotated}"

@@ -39,7 +39,7 @@ from ..ops import fused_op
 from ..tuning import LaunchPlan
 from .kernels import E4M3, FP8_MAX, quantize_weight_fused
 
-FLOAT32_MAX: tl.constexpr = 3.4028234663852886e38
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # (Triton 3.6 reads only tl.constexpr instances as globals)
 W_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AMAX_BLOCK = 4096  # elements an amax program reads (4 warps: 32 a thread)
 TILE = 64  # a cast program's tile, TILE x TILE: the row-major cast's tile of kernels.CAST_TILE
