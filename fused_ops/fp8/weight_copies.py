@@ -177,7 +177,7 @@ def can_run(weights):
     """Whether fp8_weight_copies takes these weights: at least one; each (N, K) with N and K multiples of 16 and fewer
     than 2**31 elements (32-bit offsets), contiguous; all of one dtype (float32, bfloat16 or float16) and on one device, a GPU or the CPU under the
     interpreter. (Also asked inside torch.compile's trace: nothing here reads an address.)"""
-    return bool(weights) and all(
+    return len(weights) > 0 and all(  # (not bool(weights): torch 2.11's Dynamo cannot trace bool of a list)
         w.dim() == 2 and w.dtype == weights[0].dtype and w.dtype in W_DTYPES and w.is_contiguous()
         and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0 and w.numel() < 2**31 and w.device == weights[0].device
         and (w.is_cuda or (env.INTERPRET and w.device.type == "cpu")) for w in weights)
