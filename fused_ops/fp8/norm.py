@@ -38,7 +38,6 @@ from .kernels import SLOT_DTYPES, X, _padded
 from .state import _set_current_scale
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-ROW_ELEMENTS = 32768  # a program's rows x padded width: 32 rows of GPT-2 small's 768 (1024 padded), 32-byte runs of y8ᵀ
 
 
 @triton.jit
@@ -48,49 +47,77 @@ def add_layer_norm_fp8_kernel(x_ptr, d_ptr, w_ptr, b_ptr, s_ptr, q_ptr, qt_ptr, 
                               Y_DTYPE: tl.constexpr, EMULATE: tl.constexpr, INT64: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, COPY: tl.constexpr):
     """For rows offs_m of x (M, C): s = x + delta (stored, in s's dtype, if HAS_DELTA), y = LayerNorm(s) · w + b,
-    q (M, C) and qt (C, Mp) = fp8(y · scale) of y rounded to Y_DTYPE, mean and rstd (M,). COPY > 0: the first program also copies COPY floats
-    from copy_from to copy_to (the 1/scales the FP8 operators keep for the backward, as cast_transpose_kernel)."""
+    q (M, C) and qt (C, Mp) = fp8(y · scale) of y rounded to Y_DTYPE, mean and rstd (M,). Two walks over the row
+    block's BLOCK_C-wide column tiles: the statistics (each tile's mean and sum of squared deviations, merged as
+    Chan et al.'s parallel variance), then y, its casts and stores. The second walk reloads x and delta (from L2),
+    not s: this program's own stores of s are not ordered before its loads. COPY > 0: the first program also copies
+    COPY floats from copy_from to copy_to (the 1/scales the FP8 operators keep for the backward, as
+    cast_transpose_kernel)."""
     pid = tl.program_id(0)
     if COPY > 0:
         if pid == 0:
             offs = tl.arange(0, COPY)
             tl.store(copy_to + offs, tl.load(copy_from + offs))
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = tl.arange(0, BLOCK_C)
     rows = offs_m.to(tl.int64) if INT64 else offs_m
-    m_ok, c_ok = offs_m < M, offs_c < C
-    ok = m_ok[:, None] & c_ok[None, :]
-    at = rows[:, None] * C + offs_c[None, :]
+    m_ok = offs_m < M
+    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        ok = m_ok[:, None] & (offs_c < C)[None, :]
+        v = _summed(x_ptr, d_ptr, s_ptr, rows[:, None] * C + offs_c[None, :], ok, HAS_DELTA, True)
+        n, n_c = c0 * 1.0, tl.minimum(C - c0, BLOCK_C) * 1.0  # (columns before this tile, in it)
+        mean_c = tl.sum(v, axis=1) / n_c
+        dev = tl.where(ok, v - mean_c[:, None], 0.0)
+        step = mean_c - mean
+        mean += step * (n_c / (n + n_c))
+        m2 += tl.sum(dev * dev, axis=1) + step * step * (n * n_c / (n + n_c))
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(m2 / C + eps))
+    tl.store(mean_ptr + offs_m, mean, mask=m_ok)
+    tl.store(rstd_ptr + offs_m, rstd, mask=m_ok)
+    scale = tl.load(scale_ptr)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        ok = m_ok[:, None] & c_ok[None, :]
+        at = rows[:, None] * C + offs_c[None, :]
+        y = (_summed(x_ptr, d_ptr, s_ptr, at, ok, HAS_DELTA, False) - mean[:, None]) * rstd[:, None]
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        # rounded to the MLP's 16-bit dtype first, as the separate pass quantized LayerNorm's output cast to it (rows
+        # past M: zeros in the transposed copy's padding)
+        y = tl.where(ok, y.to(Y_DTYPE).to(tl.float32), 0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
+        y8 = quantize(y, scale, q_ptr.dtype.element_ty, EMULATE)
+        tl.store(q_ptr + at, y8, mask=ok)
+        cols = (offs_c.to(tl.int64) if INT64 else offs_c)[:, None]
+        tl.store(qt_ptr + cols * Mp + rows[None, :], tl.trans(y8), mask=c_ok[:, None] & (offs_m < Mp)[None, :])
+    tl.atomic_max(amax_ptr, tl.max(amax, axis=0), sem="relaxed")
+
+
+@triton.jit
+def _summed(x_ptr, d_ptr, s_ptr, at, ok, HAS_DELTA: tl.constexpr, STORE: tl.constexpr):
+    """s = x + delta at `at`, rounded to s's dtype (as stored, and as the LayerNorm reads it), in fp32; stored if
+    STORE."""
     v = tl.load(x_ptr + at, mask=ok, other=0.0)
     if HAS_DELTA:
         v = (v.to(tl.float32) + tl.load(d_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
-        tl.store(s_ptr + at, v, mask=ok)
-    v = v.to(tl.float32)  # (the LayerNorm reads s as stored: rounded to its dtype)
-    mean = tl.sum(v, axis=1) / C
-    diff = tl.where(ok, v - mean[:, None], 0.0)
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(diff * diff, axis=1) / C + eps))
-    tl.store(mean_ptr + offs_m, mean, mask=m_ok)
-    tl.store(rstd_ptr + offs_m, rstd, mask=m_ok)
-    y = diff * rstd[:, None]
-    if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    # rounded to the MLP's 16-bit dtype first, as the separate pass quantized LayerNorm's output cast to it (rows past
-    # M: zeros in the transposed copy's padding)
-    y = tl.where(ok, y.to(Y_DTYPE).to(tl.float32), 0.0)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(y), axis=1), axis=0), sem="relaxed")
-    y8 = quantize(y, tl.load(scale_ptr), q_ptr.dtype.element_ty, EMULATE)
-    tl.store(q_ptr + at, y8, mask=ok)
-    cols = (offs_c.to(tl.int64) if INT64 else offs_c)[:, None]
-    tl.store(qt_ptr + cols * Mp + rows[None, :], tl.trans(y8), mask=c_ok[:, None] & (offs_m < Mp)[None, :])
+        if STORE:
+            tl.store(s_ptr + at, v, mask=ok)
+    return tl.where(ok, v.to(tl.float32), 0.0)
+
+
+# (BLOCK_M, BLOCK_C, warps): 64 rows a program, so that the transposed copy's stores are 64 bytes long (the cast
+# pass's tile: kernels.CAST_TILE)
+TILE = (16, 32, 4) if env.INTERPRET else (64, 128, 4)
 
 
 def _tile(C):
-    """(BLOCK_M, BLOCK_C, warps): whole rows, BLOCK_M x BLOCK_C about ROW_ELEMENTS (at least one row)."""
-    block_c = triton.next_power_of_2(C)
-    block_m = max(1, min(64, ROW_ELEMENTS // block_c))
-    return block_m, block_c, 16 if block_m * block_c >= 32768 else 8 if block_m * block_c >= 8192 else 4
+    return TILE
 
 
 def add_layer_norm_fp8(x, delta, weight, bias, eps, state, dtype, inv_scales=None):
