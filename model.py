@@ -190,7 +190,6 @@ class MLP(nn.Module):
             self.kind = "eager"  # (also "auto" without Triton)
         self.fp8 = fused_ops.FP8State() if config.fp8 and fused_ops else None  # its delayed scales (not saved)
         self.fp8_mlp = fused_ops.fp8_mlp if self.fp8 is not None else None
-        self.fp8_norm_mlp = fused_ops.fp8.fp8_norm_mlp if self.fp8 is not None else None
         # The path, picked once: a runner of fused_ops (which owns its CUDA graphs), or EagerMLP.
         eager = EagerMLP(self.activation)
         if self.kind == "eager":
@@ -201,12 +200,6 @@ class MLP(nn.Module):
             self.path = fused_ops.FusedMLP(self.activation, self.fuse_ln)
         else:  # "auto": the kernels where they can run on x's device, this PyTorch elsewhere
             self.path = fused_ops.AutoMLP(fused_ops.FusedMLP(self.activation, self.fuse_ln), eager)
-
-    def residual(self, x, delta, norm, fp8_copies):
-        """(x + delta, this MLP of norm(x + delta)) in a GPT compiled whole (GPT.forward made the weights' FP8
-        copies): the add, the LayerNorm and the FP8 casts of its output in one pass (fused_ops/fp8/norm.py)."""
-        s, y = self.fp8_norm_mlp(x, delta, norm, self.c_fc, self.c_proj, self.activation, self.fp8, fp8_copies)
-        return s, self.dropout(y)
 
     def forward(self, x, norm=None, fp8_copies=None):
         if fp8_copies is not None:  # (GPT.forward made the weights' FP8 copies)
@@ -237,11 +230,7 @@ class Block(nn.Module):
 
     def forward(self, x, cache=None, fp8_copies=None):
         attn_copies, mlp_copies = fp8_copies or (None, None)
-        a = self.attn(self.ln_1(x), cache, attn_copies)
-        if mlp_copies is not None:  # (a GPT compiled whole, training: the add and ln_2 inside the FP8 MLP's pass)
-            x, y = self.mlp.residual(x, a, self.ln_2, mlp_copies)
-            return x + y
-        x = x + a
+        x = x + self.attn(self.ln_1(x), cache, attn_copies)
         return x + self.mlp(x, norm=self.ln_2, fp8_copies=mlp_copies)
 
     def fp8_weights(self):

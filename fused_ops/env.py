@@ -17,7 +17,6 @@ A few are frozen into compile-time constants at import (the interpreter's: activ
 | FUSED_OPS_PERSISTENT    | 1                                 | PERSISTENT     | persistent-grid tile configs among the tuning candidates (tuning.py); 0 leaves them out   |
 | FUSED_OPS_ADAMW         | 1                                 | ADAMW          | model.configure_optimizers' AdamW: adamw.py's one-launch kernel on CUDA; 0 PyTorch's fused |
 | FUSED_OPS_GATE_PAIRS    | 1                                 | GATE_PAIRS     | the gated forward's TMA loop reads gate and up rows paired, one dot a tile (matmul.py); 0 two |
-| FUSED_OPS_NORM_CAST     | 1                                 | NORM_CAST      | in a GPT compiled whole, the FP8 MLP's residual add, LayerNorm and input casts in one pass (fp8/norm.py); 0 apart |
 
 (The default cache file sits under $XDG_CACHE_HOME when that is set.) precompile.py starts its child with
 FUSED_OPS_AUTOTUNE=0 and FUSED_OPS_TUNING_CACHE=0.
@@ -37,7 +36,6 @@ PRECOMPILE = os.environ.get("FUSED_OPS_PRECOMPILE", "1") != "0"
 PERSISTENT = os.environ.get("FUSED_OPS_PERSISTENT", "1") != "0"
 ADAMW = os.environ.get("FUSED_OPS_ADAMW", "1") != "0"
 GATE_PAIRS = os.environ.get("FUSED_OPS_GATE_PAIRS", "1") != "0"
-NORM_CAST = os.environ.get("FUSED_OPS_NORM_CAST", "1") != "0"
 
 
 class overridden:

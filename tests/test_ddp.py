@@ -113,13 +113,12 @@ def test_fp8_under_ddp_follows_one_process_within_the_fp8_rule(two_processes):
     one_fp8, one_fused = train("fp8")[0], train("fused")[0]
     for variant in ("fp8", "fp8_graphs", "fp8_compiled"):
         assert_ranks_in_step(two_processes, variant)
-    for variant in ("fp8", "fp8_graphs", "fp8_compiled"):
+    for variant in ("fp8", "fp8_graphs"):
         ddp = two_processes[0][variant][0]
         for a, b, ref in zip(ddp, one_fp8, one_fused):
             assert abs(a - b) <= 2 * abs(b - ref) + 1e-3, (variant, ddp, one_fp8, one_fused)
     assert two_processes[0]["fp8_graphs"][0] == two_processes[0]["fp8"][0]
-    # (compiled whole, ln_2 runs in the FP8 MLP's pass, fp8/norm.py, whose sums go in another order: within the rule
-    # above, not bit for bit)
+    assert two_processes[0]["fp8_compiled"][0] == two_processes[0]["fp8"][0]
     # each process quantizes with its own scales: no collective made them equal
     scales = [two_processes[rank]["fp8"][1] for rank in range(2)]
     assert any(not torch.equal(a, b) for a, b in zip(*scales))

@@ -480,14 +480,12 @@ def fp8_gpt_steps(compile, steps=3, adam=False, **config):
     return losses, [p.detach().clone() for p in gpt.parameters()], gpt
 
 
-def test_fp8_gpt_compiles_fullgraph_and_trains_as_uncompiled(monkeypatch):
+def test_fp8_gpt_compiles_fullgraph_and_trains_as_uncompiled():
     """Under torch.compile the FP8 MLP is two operators (fp8_autograd.py), and so is each FP8 linear of the attention
     (fp8_reach="blocks", linear.py): the same losses and weights as the uncompiled Functions, step by step
     (calibration first, then delayed scales, weight copies remade each step). One layer: its three FP8 states (the
-    MLP's, the attention's two linears') are found by their numbers as a deeper model's are. (ln_2 apart from the
-    MLP's casts, as uncompiled: its fused pass, norm.py, sums in another order; tests/test_fp8_norm.py tests it.)"""
+    MLP's, the attention's two linears') are found by their numbers as a deeper model's are."""
     import torch._dynamo
-    monkeypatch.setattr(env, "NORM_CAST", False)
     torch._dynamo.reset()
     plain_losses, plain_params, _ = fp8_gpt_steps(compile=False, fp8_reach="blocks", n_layer=1)
     losses, params, gpt = fp8_gpt_steps(compile=True, fp8_reach="blocks", n_layer=1)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import model
-from fused_ops import env
 from fused_ops.fp8 import E4M3, FP8_MAX, fp8_weight_copies
 from fused_ops.fp8 import kernels as fp8_kernels
 from fused_ops.fp8 import state as fp8_state
@@ -154,11 +153,9 @@ def test_a_gpt_compiled_whole_makes_every_copy_in_one_operator(reach):
     assert len(gpt.transformer.h[0].fp8_weights()[0]) == (2 if reach == "blocks" else 0)
 
 
-def test_a_16_bit_gpt_compiled_whole_makes_its_copies_in_one_operator(monkeypatch):
+def test_a_16_bit_gpt_compiled_whole_makes_its_copies_in_one_operator():
     """A model cast to fp16 (no autocast): its weights go into the operator in fp16, and the step is the uncompiled
-    one's, bit for bit (ln_2 apart from the MLP's casts, as uncompiled: see tests/test_fp8_norm.py). (tests/test_fp8.py's
-    fullgraph test does the same under autocast, fp32 weights.)"""
-    monkeypatch.setattr(env, "NORM_CAST", False)
+    one's, bit for bit. (tests/test_fp8.py's fullgraph test does the same under autocast, fp32 weights.)"""
     torch.manual_seed(0)
     config = model.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16, mlp="fused", fp8=True,
                              fp8_reach="blocks", dropout=0.0)

@@ -26,7 +26,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import env
 from ..activations import kernel_activations
 from ..hopper import pingpong
 from ..mlp import _autocast, check_mlp_args, fused_mlp
@@ -34,7 +33,6 @@ from ..ops import fused_op
 from . import graphs as op_graphs, hopper as fp8_hopper
 from .kernels import (E4M3, E5M2, GRAD_Y, GRAD_Z, H, X, _padded, cast_transpose, fp8_dgrad, fp8_linear_act,
                       update_scales)
-from .norm import add_layer_norm_fp8, layer_norm_grads
 from .state import _STATES, _set_current_scale, check_fp8_device, quantize_weight
 
 # Which kernel runs the two GEMMs with epilogues (x8 @ W1ᵀ, gy8 @ W2), best first; each step is taken where it can run:
@@ -133,30 +131,13 @@ def _forward(x, b_fc, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8, w_pro
     # x's cast (the calibrating call sets H's scale after it: a copy of its own there)
     inv = torch.empty_like(state.inv_scale) if state.calibrated else None
     x2, x8, xt8 = _quantized_rows(x, state, X, inv)
-    return _forward_quantized(x8, xt8, inv, x.dtype, b_fc, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8,
-                              w_proj_inv)
-
-
-@_without_autocast
-def _forward_normed(x, delta, ln_w, ln_b, eps, dtype, b_fc, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8,
-                    w_proj_inv):
-    """(s = x + delta, _forward's five for LayerNorm(s) as the MLP's input, mean, rstd): the residual add, the
-    LayerNorm and x's FP8 casts in one pass (norm.py); y and dh/dz in dtype."""
-    inv = torch.empty_like(state.inv_scale) if state.calibrated else None
-    s, x8, xt8, mean, rstd = add_layer_norm_fp8(x, delta, ln_w, ln_b, eps, state, dtype, inv)
-    return (s, *_forward_quantized(x8, xt8, inv, dtype, b_fc, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8,
-                                   w_proj_inv), mean, rstd)
-
-
-def _forward_quantized(x8, xt8, inv, dtype, b_fc, b_proj, activation, state, w_fc8, w_fc_inv, w_proj8, w_proj_inv):
-    """_forward from x's FP8 copies on (inv: as _forward's, None on the calibrating call)."""
     inv_x = state.slot(X)[2]
     h8, ht8, saved = _calibrated(_first_linear, state, H, x8, w_fc8, (inv_x, w_fc_inv), b_fc, activation, state,
-                                 dtype)
+                                 x.dtype)
     if inv is None:
         inv = state.inv_scale.clone()
     y = torch._scaled_mm(h8, w_proj8.t(), scale_a=inv[H, :1], scale_b=w_proj_inv, bias=b_proj,
-                         out_dtype=dtype, use_fast_accum=True)
+                         out_dtype=x.dtype, use_fast_accum=True)
     return y, xt8, ht8, saved, inv
 
 
@@ -278,65 +259,16 @@ def _setup_context(ctx, inputs, output):
 
 
 def _op_backward(ctx, grad_y, *_):  # (no gradient flows into what the forward returned for backward)
-    return _mlp_grads(ctx, grad_y, ctx.saved_tensors, ctx.needs_input_grad[1:5]) + (None,) * 8
-
-
-def _mlp_grads(ctx, grad_y, saved, needs):
-    """(dx, dW1, db1, dW2, db2), each None where needs (W1, b1, W2, b2's needs_input_grad) says no."""
-    w_fc_grad, w_proj_grad = needs[0], needs[2]
-    bias_grad, proj_bias_grad = ctx.has_bias[0] and needs[1], ctx.has_bias[1] and needs[3]
+    bias_grad, proj_bias_grad = ctx.has_bias[0] and ctx.needs_input_grad[2], ctx.has_bias[1] and ctx.needs_input_grad[4]
+    w_fc_grad, w_proj_grad = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
     grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj = fp8_backward_op.op(
-        grad_y, *saved, ctx.w_dtype, ctx.activation, ctx.state, bias_grad, proj_bias_grad, w_fc_grad, w_proj_grad)
+        grad_y, *ctx.saved_tensors, ctx.w_dtype, ctx.activation, ctx.state, bias_grad, proj_bias_grad, w_fc_grad,
+        w_proj_grad)
     return (grad_x, grad_w_fc if w_fc_grad else None, grad_b_fc if bias_grad else None,
-            grad_w_proj if w_proj_grad else None, grad_b_proj if proj_bias_grad else None)
+            grad_w_proj if w_proj_grad else None, grad_b_proj if proj_bias_grad else None) + (None,) * 8
 
 
 torch.library.register_autograd("fused_mlp::fp8_mlp_forward", _op_backward, setup_context=_setup_context)
-
-
-@fused_op("fp8_norm_mlp_forward")
-def fp8_norm_forward_op(x: Tensor, delta: Tensor, ln_w: Optional[Tensor], ln_b: Optional[Tensor], eps: float,
-                        w_fc: Tensor, b_fc: Optional[Tensor], w_proj: Tensor, b_proj: Optional[Tensor],
-                        w_fc8: Tensor, w_fc_t8: Tensor, w_fc_inv: Tensor, w_proj8: Tensor, w_proj_t8: Tensor,
-                        w_proj_inv: Tensor, activation: str, state: int,
-                        dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(s = x + delta, y = the MLP of LayerNorm(s) in dtype, then what backward needs: xᵀ8, hᵀ8, dh/dz, the
-    1/scales, mean, rstd) for rows x, delta (M, C): fp8_forward_op with the residual add and the LayerNorm before
-    it, made in x's cast (norm.py). Compiled only (model.Block, in a GPT compiled whole)."""
-    state = _state(state)
-    return _run(_forward_normed, x, state, x, delta, ln_w, ln_b, eps, dtype, b_fc, b_proj, activation, state, w_fc8,
-                w_fc_inv, w_proj8, w_proj_inv)
-
-
-@fp8_norm_forward_op.register_fake
-def _(x, delta, ln_w, ln_b, eps, w_fc, b_fc, w_proj, b_proj, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t8,
-      w_proj_inv, activation, state, dtype):
-    M, C = x.shape
-    hidden, Mp, f32 = w_proj.shape[1], _padded(M), torch.float32
-    return (x.new_empty(M, C), x.new_empty(M, C, dtype=dtype), x.new_empty(C, Mp, dtype=E4M3),
-            x.new_empty(hidden, Mp, dtype=E4M3), x.new_empty(M, w_fc.shape[0], dtype=dtype),
-            x.new_empty(4, 4, dtype=f32), x.new_empty(M, 1, dtype=f32), x.new_empty(M, 1, dtype=f32))
-
-
-def _setup_context_normed(ctx, inputs, output):
-    (x, delta, ln_w, ln_b, eps, w_fc, b_fc, w_proj, b_proj, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t8, w_proj_inv,
-     activation, state, dtype) = inputs
-    s, _, xt8, ht8, saved, inv, mean, rstd = output
-    ctx.save_for_backward(xt8, ht8, saved, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv, inv, s, mean, rstd, ln_w, ln_b)
-    ctx.activation, ctx.state, ctx.has_bias = activation, state, (b_fc is not None, b_proj is not None)
-    ctx.w_dtype, ctx.delta_dtype = w_proj.dtype, delta.dtype
-
-
-def _op_backward_normed(ctx, grad_s, grad_y, *_):
-    *saved, s, mean, rstd, ln_w, ln_b = ctx.saved_tensors
-    grad_ln, *weights = _mlp_grads(ctx, grad_y, saved, ctx.needs_input_grad[5:9])
-    needs = ctx.needs_input_grad
-    grad_x, grad_ln_w, grad_ln_b = layer_norm_grads(grad_ln, s, mean, rstd, ln_w, ln_b, grad_s, needs[2:4])
-    return (grad_x, grad_x.to(ctx.delta_dtype), grad_ln_w, grad_ln_b, None, *weights) + (None,) * 9
-
-
-torch.library.register_autograd("fused_mlp::fp8_norm_mlp_forward", _op_backward_normed,
-                                setup_context=_setup_context_normed)
 
 
 def fp8_mlp(x, c_fc, c_proj, activation, state, copies=None):
@@ -388,30 +320,3 @@ def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, copies=None):
         y = fp8_forward_op(x2, w_fc, b_fc, w_proj, b_proj, *copies, activation, state.number)[0]
         return y.view(*x.shape[:-1], C)
     return FP8MLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, activation, state, *copies)
-
-
-def fp8_norm_mlp(x, delta, norm, c_fc, c_proj, activation, state, copies):
-    """(s = x + delta, fp8_mlp(norm(s), ...)) for model.Block inside a GPT compiled whole (copies: the weights', made
-    by model.GPT): the residual add, the LayerNorm and the FP8 casts of its output in one pass (norm.py), where the
-    two apart would write LayerNorm's output in 16 bits and read it back. Elsewhere (not compiling, no grad, a norm
-    of another kind, FUSED_OPS_NORM_CAST=0) the two apart."""
-    C = x.shape[-1]
-    if not (env.NORM_CAST and torch.compiler.is_compiling() and torch.is_grad_enabled()
-            and isinstance(norm, torch.nn.LayerNorm)
-            and tuple(norm.normalized_shape) == (C,) and delta.shape == x.shape and x.numel() > 0):
-        s = x + delta
-        return s, fp8_mlp(norm(s), c_fc, c_proj, activation, state, copies)
-    _, w_fc, b_fc, w_proj, b_proj = _autocast(delta, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias)
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else delta.dtype  # (y's, dh/dz's)
-    if dtype not in (torch.bfloat16, torch.float16) or delta.dtype != dtype:
-        raise TypeError(f"fp8=True needs 16-bit activations (train under autocast, dtype bfloat16 or float16, or "
-                        f"with a 16-bit model); the attention's output is {delta.dtype}")
-    check_mlp_args(delta, w_fc, b_fc, w_proj, b_proj, activation)
-    if C % 16 or w_proj.shape[1] % 16:
-        raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({w_proj.shape[1]}) to be "
-                         "multiples of 16 (FP8 GEMMs take K and N in multiples of 16)")
-    x2, d2 = x.reshape(-1, C).contiguous(), delta.reshape(-1, C).contiguous()
-    s, y = fp8_norm_forward_op(x2, d2, norm.weight, norm.bias, norm.eps, w_fc, b_fc, w_proj, b_proj, *copies,
-                               activation, state.number, dtype)[:2]
-    return s.view(x.shape), y.view(x.shape)
