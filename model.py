@@ -324,7 +324,8 @@ class GPT(nn.Module):
         flat, fused_ops = [w for pair in weights for part in pair for w in part], import_fused_ops(required=True)
         if not fused_ops.fp8.weight_copies.can_run(flat):
             return None  # (weights of several dtypes, say: each layer makes its own)
-        copies = iter(fused_ops.fp8_weight_copies(flat))  # (W8, W8ᵀ, 1/scale) a weight: the attention takes one a linear, the MLP all six in one
+        # (W8, W8ᵀ, 1/scale) a weight: the attention takes one a linear, the MLP all six in one
+        copies = iter(fused_ops.fp8_weight_copies(flat))
         return [(tuple(next(copies) for _ in attn) or None, tuple(c for _ in mlp for c in next(copies)) or None)
                 for attn, mlp in weights]
 

@@ -69,6 +69,9 @@ from ..tuning import _config, _device_shared_memory, cdiv, launch, launch_matmul
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+# the largest fp32, the weights' largest scale (an amax below 448 / FLOAT32_MAX: finite, as quantize_weight); a
+# tl.constexpr instance, the only kind of global Triton 3.6 reads in a kernel
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 X, H, GRAD_Y, GRAD_Z = range(4)  # the slots of FP8State: the tensors quantized with delayed scales
 SLOT_DTYPES = (E4M3, E4M3, E5M2, E5M2)
 FP8_DTYPES = (E4M3, E5M2)  # what the FP8 main loops read through TMA
@@ -159,7 +162,7 @@ def weight_scale_kernel(amax_ptr, scale_ptr, inv_ptr, FP8_MAX: tl.constexpr):
     usable = (amax > 0.0) & (amax < float("inf"))  # (NaN compares false)
     # correctly rounded divisions, as torch's (Triton's `/` on fp32 is approximate on a GPU)
     scale = tl.where(usable, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), tl.where(usable, amax, 1.0)), 1.0)
-    scale = tl.minimum(scale, 3.4028234663852886e38)  # (amax below 448 / FLT_MAX: finite, as quantize_weight)
+    scale = tl.minimum(scale, FLOAT32_MAX)
     tl.store(scale_ptr, scale)
     tl.store(scale_ptr + 2, 1.0)
     tl.store(inv_ptr, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))

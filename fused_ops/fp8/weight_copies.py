@@ -37,9 +37,8 @@ from .. import env
 from ..casts import quantize, to_fp16
 from ..ops import fused_op
 from ..tuning import LaunchPlan
-from .kernels import E4M3, FP8_MAX, quantize_weight_fused
+from .kernels import E4M3, FLOAT32_MAX, FP8_MAX, quantize_weight_fused
 
-FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # (Triton 3.6 reads only tl.constexpr instances as globals)
 W_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AMAX_BLOCK = 4096  # elements an amax program reads (4 warps: 32 a thread)
 TILE = 64  # a cast program's tile, TILE x TILE: the row-major cast's tile of kernels.CAST_TILE
@@ -88,9 +87,9 @@ def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_p
     usable = (amax > 0.0) & (amax < float("inf"))  # (NaN compares false)
     # correctly rounded divisions, as quantize_weight's (Triton's `/` on fp32 is approximate on a GPU)
     scale = tl.where(usable, tl.math.div_rn(tl.full((), FP8_MAX, tl.float32), tl.where(usable, amax, 1.0)), 1.0)
-    scale = tl.minimum(scale, FLOAT32_MAX)  # (amax below 448 / FLOAT32_MAX: as quantize_weight)
-    tl.store(q_ptr + offset + offs_n[:, None] * K + offs_k[None, :], quantize(w, scale, q_ptr.dtype.element_ty, EMULATE),
-             mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+    scale = tl.minimum(scale, FLOAT32_MAX)  # (as weight_scale_kernel)
+    tl.store(q_ptr + offset + offs_n[:, None] * K + offs_k[None, :],
+             quantize(w, scale, q_ptr.dtype.element_ty, EMULATE), mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
     if tile == 0:
         tl.store(inv_ptr + 4 * i, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
 
@@ -175,8 +174,9 @@ _plans = {}
 
 def can_run(weights):
     """Whether fp8_weight_copies takes these weights: at least one; each (N, K) with N and K multiples of 16 and fewer
-    than 2**31 elements (32-bit offsets), contiguous; all of one dtype (float32, bfloat16 or float16) and on one device, a GPU or the CPU under the
-    interpreter. (Also asked inside torch.compile's trace: nothing here reads an address.)"""
+    than 2**31 elements (32-bit offsets), contiguous; all of one dtype (float32, bfloat16 or float16) and on one
+    device, a GPU or the CPU under the interpreter. (Also asked inside torch.compile's trace: nothing here reads an
+    address.)"""
     return len(weights) > 0 and all(  # (not bool(weights): torch 2.11's Dynamo cannot trace bool of a list)
         w.dim() == 2 and w.dtype == weights[0].dtype and w.dtype in W_DTYPES and w.is_contiguous()
         and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0 and w.numel() < 2**31 and w.device == weights[0].device
