@@ -32,11 +32,13 @@ def kernels_can_run(x):
     return x.is_cuda or (env.INTERPRET and x.device.type == "cpu")
 
 
-def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None, fold_ln=False):
+def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln_bias=None, fold_ln=False,
+                   masters=False):
     """Reject what the kernels cannot take with an error naming the argument, before any launch.
 
     The LayerNorm parameters may keep their own float dtype (fp32 under autocast, as nn.LayerNorm's), and
-    with the LayerNorm folded (fold_ln) so may an fp32 x beside 16-bit weights (autocast's LayerNorm input)."""
+    with the LayerNorm folded (fold_ln) so may an fp32 x beside 16-bit weights (autocast's LayerNorm input).
+    masters: w_fc and w_proj are autocast's masters, of any float dtype (the FP8 MLP reads only their FP8 copies)."""
     _, _, gated = kernel_activations(activation)  # raises on an unknown name
     if not kernels_can_run(x):
         raise ValueError(f"x is on {x.device}: the fused MLP needs CUDA tensors (or TRITON_INTERPRET=1 set before "
@@ -54,7 +56,7 @@ def check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, ln_weight=None, ln
                             "(TRITON_INTERPRET=1, used for gradcheck); use float32, float16 or bfloat16")
         if mixed and name != "x" and t.dtype != w_fc.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but w_fc has {w_fc.dtype}: all weights must share one dtype")
-        if not mixed and t.dtype != x.dtype:
+        if not mixed and t.dtype != x.dtype and not (masters and name in ("w_fc", "w_proj")):
             raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}: all tensors must share one dtype")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")

@@ -207,7 +207,11 @@ def check_under_autocast(device, dtype, C=32, hidden=64, M=40):
             y = fp8_mlp(x, fc, proj, "gelu", state)
         assert y.dtype == dtype
         y.float().square().mean().backward()
-        assert fc.weight.grad.dtype == torch.float32 and torch.isfinite(fc.weight.grad).all()
+        for w in (fc.weight, proj.weight):
+            assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+            # dW is written in the masters' fp32, not rounded to 16 bits first: some values use mantissa bits past
+            # fp16's 10 (and bf16's 7)
+            assert (w.grad.view(torch.int32) & 0x1FFF).any()
         copies = state.weights(fc.weight, proj.weight)  # from the fp32 masters, not their fp16 copies
         assert torch.equal(copies[0].float(), fp8_state.quantize_weight(fc.weight)[0].float())
         assert torch.equal(copies[4].float(), fp8_state.quantize_weight(proj.weight)[1].float())
@@ -437,6 +441,9 @@ def test_fp8_needs_16_bit_activations_and_fp8_tensor_cores(monkeypatch):
     fc, proj = make_mlp(32, 64, "gelu", torch.float32, "cpu")
     with pytest.raises(TypeError, match="16-bit activations"):
         fp8_mlp(torch.randn(4, 32, requires_grad=True), fc, proj, "gelu", FP8State())
+    # fp32 masters beside 16-bit x only under autocast (which makes them the masters of 16-bit copies)
+    with pytest.raises(TypeError, match="w_fc has dtype torch.float32 but x has torch.float16"):
+        fp8_mlp(torch.randn(4, 32, dtype=torch.float16, requires_grad=True), fc, proj, "gelu", FP8State())
     monkeypatch.setattr(env, "INTERPRET", False)  # a CPU without the interpreter: no FP8 tensor cores
     with pytest.raises(RuntimeError, match="FP8 tensor cores .*compute capability 8.9"):
         fp8_mlp(torch.randn(4, 32, dtype=torch.float16, requires_grad=True), fc.half(), proj.half(), "gelu", FP8State())

@@ -171,9 +171,9 @@ _backward.param_grads = (1, 2, 3, 4)
 
 
 class FP8MLPFunction(torch.autograd.Function):
-    """y = act(x @ W1ᵀ + b1) @ W2ᵀ + b2 with the FP8 GEMMs of fp8.py's docstring, outside torch.compile. x and the
-    weights come in 16 bits (autocast's copies); the weights' FP8 copies (FP8State.weights) come beside them, not
-    differentiated."""
+    """y = act(x @ W1ᵀ + b1) @ W2ᵀ + b2 with the FP8 GEMMs of kernels.py's docstring, outside torch.compile. x and the
+    biases come in 16 bits (autocast's copies), the weights as the masters (dW in their dtype); the weights' FP8 copies
+    (FP8State.weights) come beside them, not differentiated."""
 
     @staticmethod
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, activation, state, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t8,
@@ -225,7 +225,7 @@ def _(x, w_fc, b_fc, w_proj, b_proj, w_fc8, w_fc_t8, w_fc_inv, w_proj8, w_proj_t
     M, C = x.shape
     hidden, Mp, f32 = w_proj.shape[1], _padded(x.shape[0]), torch.float32
     return (x.new_empty(M, C), x.new_empty(C, Mp, dtype=E4M3), x.new_empty(hidden, Mp, dtype=E4M3),
-            x.new_empty(M, w_fc.shape[0], dtype=w_fc.dtype), x.new_empty(4, 4, dtype=f32))
+            x.new_empty(M, w_fc.shape[0]), x.new_empty(4, 4, dtype=f32))
 
 
 @fused_op("fp8_mlp_backward")
@@ -301,9 +301,10 @@ def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, copies=None):
     compiling = torch.compiler.is_compiling()
     if not compiling:  # (train.py checks the device before it compiles)
         check_fp8_device(x.device)
-    masters = (w_fc, w_proj)  # the parameters themselves (fp32 under autocast): their FP8 copies are made from them
-    x, w_fc, b_fc, w_proj, b_proj = _autocast(x, w_fc, b_fc, w_proj, b_proj)
-    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation)
+    # The weights go in as the parameters themselves (fp32 under autocast), never autocast's 16-bit copies: their FP8
+    # copies are made from them, and dW comes out in their dtype, with no rounding to 16 bits and no convert after.
+    x, b_fc, b_proj = _autocast(x, b_fc, b_proj)
+    check_mlp_args(x, w_fc, b_fc, w_proj, b_proj, activation, masters=torch.is_autocast_enabled(x.device.type))
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"fp8=True needs 16-bit activations (train under autocast, dtype bfloat16 or float16, or "
                         f"with a 16-bit model); x is {x.dtype}")
@@ -312,9 +313,9 @@ def _fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, activation, state, copies=None):
         raise ValueError(f"fp8=True needs the model width ({C}) and the MLP's hidden size ({hidden}) to be multiples "
                          "of 16 (FP8 GEMMs take K and N in multiples of 16)")
     if copies is None and compiling:  # made here, every call (see the top of this file); inductor fuses them
-        copies = (*quantize_weight(masters[0]), *quantize_weight(masters[1]))
+        copies = (*quantize_weight(w_fc), *quantize_weight(w_proj))
     elif copies is None:  # (given: graphs.py's, see fp8_layers_as_function, or model.GPT's under torch.compile)
-        copies = state.weights(*masters)
+        copies = state.weights(w_fc, w_proj)
     if compiling:
         x2 = x.reshape(-1, C).contiguous()
         y = fp8_forward_op(x2, w_fc, b_fc, w_proj, b_proj, *copies, activation, state.number)[0]
