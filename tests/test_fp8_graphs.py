@@ -4,6 +4,7 @@ bookkeeping (static copies, inputs read in place, outputs still held, the state 
 without a GPU; on a GPU (-m gpu) the real graphs under inductor."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -213,29 +214,44 @@ def test_a_compiled_fp8_gpt_trains_the_same_through_the_graphs(emulated, monkeyp
         assert replays == [4, 4], replays
 
 
-def test_a_16_bit_model_without_autocast_says_once_that_its_backward_cannot_replay(emulated, monkeypatch):
-    """A 16-bit model trained without autocast keeps the backward's weight gradients as its .grads, so from a step's
-    second micro-step on its backward runs as it is (right, but slower than a replay): one warning per process says
-    why and what to do. (Under autocast the .grads are fp32 copies, and every backward replays: the test above.)"""
+@pytest.mark.parametrize("dtype, autocast", [(torch.float16, False), (torch.float32, True)])
+def test_every_backward_replays_and_accumulated_gradients_sum(emulated, monkeypatch, dtype, autocast):
+    """The weights' gradients a backward returns become the .grads at a step's first micro-step (fp16 masters without
+    autocast, fp32 masters under it: either way in the masters' dtype); handed out as copies, they let every later
+    backward replay, and the accumulated .grads are the sum of the micro-steps' gradients as the bodies give them (the
+    same step without the graphs, bit for bit), with no warning."""
     import torch._dynamo
-    torch._dynamo.reset()
-    monkeypatch.setattr(op_graphs, "_warned_held_grads", False)
-    torch.manual_seed(0)
-    fc, proj = torch.nn.Linear(32, 64, dtype=torch.float16), torch.nn.Linear(64, 32, dtype=torch.float16)
-    state = FP8State()
-    step = torch.compile(lambda x: fp8_mlp(x, fc, proj, "gelu", state), fullgraph=True, backend="aot_eager")
-    with pytest.warns(UserWarning) as caught:
+
+    def train(graphs_on):
+        torch._dynamo.reset()
+        monkeypatch.setattr(env, "GRAPHS", graphs_on)
+        torch.manual_seed(0)
+        fc, proj = torch.nn.Linear(32, 64, dtype=dtype), torch.nn.Linear(64, 32, dtype=dtype)
+        state = FP8State()
+        step = torch.compile(lambda x: fp8_mlp(x, fc, proj, "gelu", state), fullgraph=True, backend="aot_eager")
+        gen = torch.Generator().manual_seed(0)
+        grads = []
         for _ in range(3):  # steps of two micro-steps: calibration, the first calls, then captures and replays
             for _ in range(2):
-                step(torch.randn(24, 32, dtype=torch.float16)).float().square().mean().backward()
+                x = torch.randn(24, 32, generator=gen).to(torch.float16 if autocast else dtype)
+                with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                    loss = step(x).float().square().mean()  # (y not kept: a held output is not overwritten)
+                loss.backward()
+            grads.append([p.grad.clone() for p in (fc.weight, fc.bias, proj.weight, proj.bias)])
             fc.zero_grad(set_to_none=True)
             proj.zero_grad(set_to_none=True)
-    said = [str(w.message) for w in caught if "FP8" in str(w.message)]
-    assert len(said) == 1, said  # (refused twice: one warning)
-    assert "weight gradients it returned are still held" in said[0] and "torch.autocast" in said[0]
+        return grads, state
+
+    plain, _ = train(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphed, state = train(True)
+    for a, b in zip(plain, graphed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert plain[0][0].dtype == dtype
     forward, backward = state.op_graphs.graphs.values()
-    # after the first step (calibration, the first calls): every forward replays, the backward at a step's first
-    assert (forward.replays, backward.replays) == (4, 2)
+    # after the first step (calibration, the first calls): every forward and backward replays
+    assert (forward.replays, backward.replays) == (4, 4)
 
 
 def test_a_state_moved_or_copied_drops_its_graphs(emulated):

@@ -165,8 +165,8 @@ def _backward(grad_y, xt8, ht8, saved, w_fc_t8, w_fc_inv, w_proj_t8, w_proj_inv,
     return grad_x, grad_w_fc, grad_b_fc, grad_w_proj, grad_b_proj
 
 
-# The parameters' gradients among _backward's outputs: held at its next call (the .grads of a 16-bit model trained
-# without autocast), they keep its graph from replaying, which graphs.py says once
+# The parameters' gradients among _backward's outputs: graphs.py hands them out as copies (autograd keeps a leaf's
+# first gradient as its .grad, which the next replay would overwrite)
 _backward.param_grads = (1, 2, 3, 4)
 
 

@@ -20,10 +20,12 @@ with 12x1024 tokens. Where those are the forward graph's own outputs, the backwa
 
 What keeps it exact (as ../graphs.py's):
 - A replay overwrites the outputs of the graph's last replay. Before it, the graph checks that nobody holds one (the
-  count of tensors on their memory): a forward whose backward has not run, a gradient kept as a .grad. If someone
-  does, the body runs as it is. (So in a 16-bit model trained without autocast, whose first micro-step's weight
-  gradients become the .grads themselves, every other backward runs as it is, with one warning per process that
-  says so; under autocast, as train.py runs, the .grads are fp32 copies.)
+  count of tensors on their memory): a forward whose backward has not run, a caller's copy. If someone does, the
+  body runs as it is.
+- The parameters' gradients (a body's `param_grads`) are handed out as copies: autograd keeps a leaf's first
+  gradient as its .grad without copying it (the weights' come out in the masters' dtype, fp32 under autocast), and
+  with gradient accumulation the next micro-step's replay would otherwise find it held and run the body. The copies
+  take a few µs of GPU time a layer; running the body takes about 1 ms of host time.
 - A signature has one graph. Where the tensors it reads in place are not the ones given (the forward ran as it is,
   two forwards before their backwards), the body runs as it is.
 - Only a calibrated state's calls are captured: the first forward and backward set the scales from the tensors' own
@@ -51,7 +53,6 @@ from ..graphs import _holders, capture_stream, record
 MAX_SIGNATURES = 4  # per layer: the forward and backward of the training shape, and of one more (the last micro-batch)
 EMULATE = False  # a CPU test double for the graphs (tests): a "replay" runs the body on the static inputs
 _failure = None  # what turned the graphs off for the process, if anything did (a line: no traceback keeps memory)
-_warned_held_grads = False  # whether _warn_held_grads has warned (once per process)
 _every = weakref.WeakSet()  # every OpGraphs, so that a failure frees all their graphs
 
 
@@ -88,7 +89,9 @@ class _Graph:
         self.shared = tuple(s is not None for s in shared)
         devices = [a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
         self.outputs, self._graph = self._capture(body, args, devices[0] if devices else None)
-        self.handed = tuple((i, t, _holders(t)) for i, t in enumerate(self.outputs) if t is not None and t.numel())
+        self.cloned = frozenset(getattr(body, "param_grads", ()))  # handed out as copies (see the top of this file)
+        self.handed = tuple((i, t, _holders(t)) for i, t in enumerate(self.outputs)
+                            if t is not None and t.numel() and i not in self.cloned)
         self.replays = 0
 
     def _arguments(self, args):
@@ -133,7 +136,8 @@ class _Graph:
         else:
             self._graph.replay()
         self.replays += 1
-        return tuple(None if t is None else t.detach() for t in self.outputs)  # (uncopied: see handed)
+        return tuple(None if t is None else t.clone() if i in self.cloned else t.detach()  # (the rest uncopied:
+                     for i, t in enumerate(self.outputs))                                  # see handed)
 
 
 class OpGraphs:
@@ -167,24 +171,7 @@ class OpGraphs:
             self.graphs[signature] = graph
             self.outputs.update((_where(t), t) for t in graph.outputs if t is not None and t.numel())
         out = graph.run(body, args, shared)
-        if out is None:
-            _warn_held_grads(body, graph)
-            return body(*args)
-        return out
-
-
-def _warn_held_grads(body, graph):
-    """Warn once per process where a backward's replay is refused because the parameters' gradients it returned last
-    time are still held: the .grads of a 16-bit model trained without autocast. Right, but each such backward then
-    runs its body, with the host time the graphs are there to save. body.param_grads: the indices of those outputs."""
-    global _warned_held_grads
-    if _warned_held_grads or not set(graph.held()) & set(getattr(body, "param_grads", ())):
-        return
-    _warned_held_grads = True
-    warnings.warn("the compiled FP8 MLP's backward cannot replay its CUDA graph while the weight gradients it returned "
-                  "are still held: a 16-bit model trained without autocast keeps them as its .grads, so each backward "
-                  "after a step's first micro-step runs as it is (right, but slower). Keep the weights in float32 and "
-                  "train under torch.autocast(dtype=torch.bfloat16 or float16), as train.py does", stacklevel=2)
+        return body(*args) if out is None else out
 
 
 def _fail(e):

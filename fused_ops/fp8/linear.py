@@ -73,7 +73,7 @@ def _gradient_gemms(gy8, gyt8, grad_b, xt8, w_t8, w_inv, inv, dtype, w_dtype, st
     return grad_x, grad_w, grad_b
 
 
-_backward.param_grads = (1, 2)  # (graphs.py: the outputs a 16-bit model keeps as its .grads)
+_backward.param_grads = (1, 2)  # (graphs.py: the parameters' gradients, handed out as copies)
 
 
 class FP8LinearFunction(torch.autograd.Function):
