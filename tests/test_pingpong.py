@@ -38,7 +38,8 @@ def compile_for_sm90(args, consts, tiles, device):  # stands in for the launch
             constexprs[(i,)] = arg
     kernel = triton.compile(GluonASTSource(pp.pingpong_kernel, signature, constexprs),
                             target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=pp.CONSUMER_WARPS, maxnreg=pp.MAXNREG))
+                            options=dict(num_warps=consts["CONSUMER_WARPS"],
+                                         maxnreg=pp.registers(consts["CONSUMER_WARPS"])[0]))
     shared.append(kernel.metadata.shared)
 
 pp._run = compile_for_sm90
@@ -123,6 +124,21 @@ def test_compiles_for_hopper():
     assert not failed, "\n".join(f"{case}:\n{error}" for case, error in failed.items())
     too_big = {case: b["shared"] for case, b in built.items() if b["shared"] > 227 * 1024}  # an H100's per block
     assert not too_big, too_big
+
+
+def test_register_plans_fit_an_sm():
+    """Each consumer size's registers (registers()) fit one SM's 64K at launch and after setmaxnreg moves the loader's
+    share to the two consumers, within setmaxnreg's range (24-256, multiples of 8); the plain dgrad gets one warpgroup
+    a consumer, every other variant two."""
+    for warps in (pingpong.CONSUMER_WARPS, pingpong.DGRAD_CONSUMER_WARPS):
+        at_launch, consumer = pingpong.registers(warps)
+        assert at_launch * 32 * (2 * warps + 4) <= 65536
+        assert consumer * 32 * 2 * warps + pingpong.LOADER_REGS * 128 <= 65536
+        assert consumer % 8 == 0 and at_launch <= consumer <= 256
+    assert pingpong.registers(8) == (96, 112) and pingpong.registers(4) == (168, 240)
+    warps = lambda epilogue, gated: pingpong._blocks_and_consts(True, epilogue, "identity", "identity", gated, False,
+                                                                False)[2]["CONSUMER_WARPS"]
+    assert (warps("mul", False), warps("mul", True), warps("act", False), warps("lse", False)) == (4, 8, 8, 8)
 
 
 def test_descriptor_cache_keeps_no_tensor():

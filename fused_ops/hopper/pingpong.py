@@ -8,6 +8,7 @@ itself. Each SM runs one persistent program of three warp partitions:
   loader      1 warp     TMA loads of the A and B tiles into a ring of STAGES shared-memory slots
   consumer 0  8 warps    wgmma over the ring for the program's even tiles, then their epilogue
   consumer 1  8 warps    the same for its odd tiles
+(4 warps a consumer in the plain dgrad: see CONSUMER_WARPS.)
 
 The two consumers take turns at the main loop (the `turn` barriers): while one runs its tile's MMAs the
 other runs the previous tile's epilogue on the CUDA cores (CUTLASS calls this schedule ping-pong).
@@ -91,21 +92,29 @@ GROUP_M = 8  # row tiles walked before the next column tile (tile_ids): A's and 
 # The classifier's logits GEMM ("lse"): all of a chunk's row tiles (20 at GPT-2's head) before the next column tile,
 # so that each tile of W (50304 x 768: more than L2 holds) is read from memory once a chunk, not three times.
 LOGITS_GROUP_M = 64
+# A consumer is two warpgroups (8 warps: 64 accumulator registers a thread, 112 in all) or, in the plain dgrad, one
+# (4 warps: 128 of 240). The epilogue's math needs the two warps per scheduler that 8 warps give, to hide its latency:
+# at 4 the GELU forward took twice as long; the dgrad's, loads and stores with little math, gains from the registers
+# (results/glue/consumer_warps_h100.txt).
 CONSUMER_WARPS = 8
-WARPS = 2 * CONSUMER_WARPS + 4  # registers are handed out per warpgroup: the 1-warp loader holds 4 warps' worth
+DGRAD_CONSUMER_WARPS = 4
 LOADER_REGS = 24
-MAXNREG = 65536 // (32 * WARPS) // 8 * 8  # what every thread may hold at launch (96)
-# setmaxnreg then moves the loader's share to the consumers (the default partition gets what is left)
-CONSUMER_REGS = (MAXNREG * 32 * WARPS - LOADER_REGS * 128) // (2 * 32 * CONSUMER_WARPS) // 8 * 8  # 112
+
+
+def registers(consumer_warps):
+    """(what every thread may hold at launch, what a consumer's thread holds after setmaxnreg): registers are handed
+    out per warpgroup, so the 1-warp loader holds 4 warps' worth until it gives its share to the consumers.
+    8 warps: (96, 112); 4: (168, 240)."""
+    warps = 2 * consumer_warps + 4
+    maxnreg = 65536 // (32 * warps) // 8 * 8
+    return maxnreg, (maxnreg * 32 * warps - LOADER_REGS * 128) // (2 * 32 * consumer_warps) // 8 * 8
 
 
 if AVAILABLE:
     # What the kernels read must be a constexpr.
     GROUP_M_ = gl.constexpr(GROUP_M)
     LOGITS_GROUP_M_ = gl.constexpr(LOGITS_GROUP_M)
-    CONSUMER_WARPS_ = gl.constexpr(CONSUMER_WARPS)
-    PARTITION_WARPS = gl.constexpr([CONSUMER_WARPS, 1])
-    PARTITION_REGS = gl.constexpr([CONSUMER_REGS, LOADER_REGS])
+    LOADER_REGS_ = gl.constexpr(LOADER_REGS)
 
     @gluon.jit
     def _column_quarters(x):
@@ -338,14 +347,14 @@ if AVAILABLE:
                   M, N, K, WHO: gl.constexpr, B_KMAJOR: gl.constexpr, EPILOGUE: gl.constexpr,
                   ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr, GATED: gl.constexpr,
                   GATE_UP_B: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, FP8_OUT: gl.constexpr,
-                  FP8_IN: gl.constexpr, GROUP: gl.constexpr):
+                  FP8_IN: gl.constexpr, GROUP: gl.constexpr, WARPS: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         TN: gl.constexpr = b_desc.block_type.shape[0 if B_KMAJOR else 1]  # output columns per tile
         BN: gl.constexpr = 2 * TN if GATE_UP_B else TN  # the MMA's width
         PART: gl.constexpr = out_desc.block_type.shape[1]
         S: gl.constexpr = a_bufs.type.shape[0]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS_, 1],
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BN, 32 if FP8_IN else 16])
         base = WHO * (stage_bufs.type.shape[0] // 2)  # this consumer's half of the staging buffers
         bar = aux_bar.index(WHO)
@@ -420,7 +429,8 @@ if AVAILABLE:
                         scale_ptr, amax_ptr, a_inv_ptr, b_inv_ptr, M, N, K, B_KMAJOR: gl.constexpr,
                         EPILOGUE: gl.constexpr, ACTIVATION: gl.constexpr, UP_ACTIVATION: gl.constexpr,
                         GATED: gl.constexpr, HAS_BIAS: gl.constexpr, SAVE: gl.constexpr, STAGES: gl.constexpr,
-                        STAGING: gl.constexpr, FP8_OUT: gl.constexpr, FP8_IN: gl.constexpr):
+                        STAGING: gl.constexpr, FP8_OUT: gl.constexpr, FP8_IN: gl.constexpr,
+                        CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         # The gated forward's B tile holds the gate rows and the up rows of W for the same output columns.
         GATE_UP_B: gl.constexpr = GATED and EPILOGUE == "act"
         GROUP: gl.constexpr = LOGITS_GROUP_M_ if EPILOGUE == "lse" else GROUP_M_
@@ -457,13 +467,13 @@ if AVAILABLE:
             (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
                          q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, partial_ptr, scale_ptr, amax_ptr,
                          a_inv_ptr, b_inv_ptr, M, N, K, 0, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED,
-                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN, GROUP)),
+                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN, GROUP, CONSUMER_WARPS)),
             (_consumer, (a_desc, b_desc, out_desc, out2_desc, aux_desc, aux2_desc, a_bufs, b_bufs, stage_bufs,
                          q_bufs, qt_bufs, ready, empty, aux_bar, turn, bias_ptr, partial_ptr, scale_ptr, amax_ptr,
                          a_inv_ptr, b_inv_ptr, M, N, K, 1, B_KMAJOR, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED,
-                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN, GROUP)),
+                         GATE_UP_B, HAS_BIAS, SAVE, FP8_OUT, FP8_IN, GROUP, CONSUMER_WARPS)),
             (_loader, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_KMAJOR, GATE_UP_B, GROUP)),
-        ], PARTITION_WARPS, PARTITION_REGS)
+        ], (CONSUMER_WARPS, 1), (CONSUMER_REGS, LOADER_REGS_))
 
 
 # The gated dgrad has only 3 ring slots (both saved halves are prefetched into shared memory, see
@@ -568,9 +578,11 @@ def _blocks_and_consts(b_kmajor, EPILOGUE, ACTIVATION, UP_ACTIVATION, GATED, HAS
     stages, staging = (FP8_SHARED_MEMORY_PLAN.get((EPILOGUE, GATED)) if FP8_OUT else None) or \
         SHARED_MEMORY_PLAN[EPILOGUE, GATED]
     out2 = (PART, BLOCK_M) if FP8_OUT else part  # (FP8_OUT: out2 is outᵀ)
+    warps = DGRAD_CONSUMER_WARPS if EPILOGUE == "mul" and not GATED else CONSUMER_WARPS  # (the gated dgrad: not tried)
     consts = types.MappingProxyType(dict(  # read-only: every launch of the variant shares it
         B_KMAJOR=b_kmajor, EPILOGUE=EPILOGUE, ACTIVATION=ACTIVATION, UP_ACTIVATION=UP_ACTIVATION, GATED=GATED,
-        HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging, FP8_OUT=FP8_OUT, FP8_IN=FP8_IN))
+        HAS_BIAS=HAS_BIAS, SAVE=SAVE, STAGES=stages, STAGING=staging, FP8_OUT=FP8_OUT, FP8_IN=FP8_IN,
+        CONSUMER_WARPS=warps, CONSUMER_REGS=registers(warps)[1]))
     return ((BLOCK_M, bk), b_block, b_block, part, out2, part, part), tn, consts
 
 
@@ -602,7 +614,8 @@ def _run(args, consts, tiles, device):
     if compiled is not None:
         compiled[grid](*args, *consts.values())
     else:
-        _compiled[key] = pingpong_kernel[grid](*args, **consts, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
+        warps = consts["CONSUMER_WARPS"]
+        _compiled[key] = pingpong_kernel[grid](*args, **consts, num_warps=warps, maxnreg=registers(warps)[0])
 
 
 FAILURE = None  # the exception that turned the ping-pong kernel off for this process, if one did
