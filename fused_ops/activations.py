@@ -146,40 +146,38 @@ def silu_and_grad(x):
     return xl * s, s * (1.0 + xc * (1.0 - s))
 
 
-# Φ(-|x|) = exp(-x²/2) · t · S(t) with t = 1 / (1 + |x| / (2√2)) and S the degree-7 polynomial in
-# gelu_and_grad_16bit, fitted to erfcx(|x|/√2) / (2t) by lab/fit_gelu_cdf.py.
+# Φ(-|x|) = φ(x) · t · P(t) with t = 1 / (1 + |x| / (2√2)) and P the degree-5 polynomial in
+# gelu_and_grad_16bit, fitted to √(2π) · erfcx(|x|/√2) / (2t) by lab/fit_gelu_cdf.py.
 GELU_CDF_T = tl.constexpr(0.3535533905932738)  # 1 / (2√2)
-NEG_HALF_LOG2E = tl.constexpr(-0.7213475204444817)  # exp(-x²/2) = exp2(x² · this)
+NEG_HALF_LOG2E = tl.constexpr(-0.7213475204444817)  # φ(x) = exp2(x² · this + LOG2_INV_SQRT_2PI)
+LOG2_INV_SQRT_2PI = tl.constexpr(-1.3257480647361593)
 
 
 @triton.jit
 def gelu_and_grad_16bit(x):
-    """(GELU(x), GELU'(x)) = (x·Φ(x), Φ(x) + x·φ(x)) for 16-bit outputs: one reciprocal square root,
-    one exp2 and a short polynomial an element, where libdevice's erf takes several times as many
+    """(GELU(x), GELU'(x)) = (x·Φ(x), Φ(x) + x·φ(x)) for 16-bit outputs: one approximate reciprocal,
+    one exp2 and a degree-5 polynomial an element, where libdevice's erf takes several times as many
     instructions and made the ping-pong kernel's epilogue, not its MMAs, the bottleneck (docs/performance.md).
     NaN gives (NaN, NaN), +inf (inf, 1) and -inf (-0, -0): the limits (tests/special_values.py; eager
     PyTorch gives NaN for all but gelu(+inf), and on AVX-512 CPUs for that too in fp32).
-    Φ(-|x|) = φ(x)·√(2π)·t·S(t) (see GELU_CDF_T) is within ~1e-5 of Φ, relative, in both tails: far
-    under the 3.9e-3 (bf16) and 4.9e-4 (fp16) of the outputs it is used for, not under fp32's."""
-    # t = 1/d as rsqrt(d²): one MUFU.RSQ and a multiply, where a division (even tl.fdiv's approximate
-    # one) adds range fix-ups that cost more than the polynomial's FMAs. d² overflows only past |x| ~ 5e19,
-    # where exp(-x²/2), and so the tail, is 0 whatever t is (tested up to 1e30).
+    Φ(-|x|) = φ(x)·t·P(t) (see GELU_CDF_T) is within ~6e-5 of Φ, relative, in both tails: a quarter of
+    fp16's smallest half-ulp (2.4e-4) and a thirtieth of bf16's, so the outputs' rounding dominates; not fp32's."""
+    # t = 1/d by rcp.approx (one MUFU instruction; an IEEE division adds range fix-ups); d ≥ 1, and
+    # d = inf (|x| = inf) gives t = 0, where φ, and so the tail, is 0 whatever t is.
     d = 1.0 + GELU_CDF_T * tl.abs(x)
-    t = tl.math.rsqrt(d * d)
-    s = t * 0.0254627994 - 0.055224472  # S(t), Horner's rule
-    s = s * t - 0.020281909
-    s = s * t + 0.0624646826
-    s = s * t + 0.0811223867
-    s = s * t + 0.124412371
-    s = s * t + 0.140997735
-    s = s * t + 0.141047785
-    gauss = tl.exp2(x * x * NEG_HALF_LOG2E)  # exp(-x²/2) = φ(x)·√(2π)
-    tail = gauss * t * s  # Φ(-|x|)
+    t = _reciprocal_ftz(d)
+    p = t * -0.112432442 + 0.101619701  # P(t), Horner's rule
+    p = p * t + 0.26016567
+    p = p * t + 0.295403641
+    p = p * t + 0.35495178
+    p = p * t + 0.353532801
+    phi = tl.exp2(x * x * NEG_HALF_LOG2E + LOG2_INV_SQRT_2PI)  # φ(x), 1/√(2π) folded into the exponent
+    tail = phi * t * p  # Φ(-|x|)
     cdf = tl.where(x >= 0.0, 1.0 - tail, tail)
     # x clamped where it multiplies a factor that is 0 beyond ±TAIL (see TAIL): the limits at ±inf, not inf · 0
     xl = tl.where(x < -TAIL, -TAIL, x)
     xc = tl.where(xl > TAIL, TAIL, xl)
-    return xl * cdf, cdf + xc * gauss * INV_SQRT_2PI
+    return xl * cdf, cdf + xc * phi
 
 
 @triton.jit

@@ -1,11 +1,13 @@
 """Fit the polynomial of activations.gelu_and_grad_16bit:
-Φ(-|x|) = exp(-x²/2) · t · S(t) with t = 1 / (1 + |x| / (2√2)).
+Φ(-|x|) = φ(x) · t · P(t) with t = 1 / (1 + |x| / (2√2)) and φ(x) = exp(-x²/2) / √(2π).
 
-S(t) = erfcx(u) / (2t) with u = |x| / √2 = 2 (1/t - 1), a smooth function on t in (0, 1], fitted with a
+P(t) = √(2π) · erfcx(u) / (2t) with u = |x| / √2 = 2 (1/t - 1), a smooth function on t in (0, 1], fitted with a
 polynomial by least squares on the relative error, reweighted towards the largest errors until the fit is
 close to minimax. Prints the coefficients (highest power first) and the fit's largest relative error.
 
-    python lab/fit_gelu_cdf.py [--degree 7]
+    python lab/fit_gelu_cdf.py [--degree 5]
+
+Largest relative errors by degree: 4, 3.6e-4; 5, 5.8e-5 (the kernels'); 6, 1.3e-5; 7, 2.8e-6.
 """
 
 import argparse
@@ -16,7 +18,7 @@ import torch
 def fit(degree, iterations=300):
     t = 0.5 * (1 - torch.cos(torch.linspace(0, torch.pi, 20001, dtype=torch.float64)))  # dense near both ends
     t = t[t > 0]
-    target = 0.5 * torch.special.erfcx(2 * (1 / t - 1)) / t
+    target = (2 * torch.pi) ** 0.5 * 0.5 * torch.special.erfcx(2 * (1 / t - 1)) / t
     powers = torch.stack([t ** k for k in range(degree, -1, -1)], 1)
     weight, best = torch.ones_like(t), None
     for _ in range(iterations):
@@ -31,7 +33,7 @@ def fit(degree, iterations=300):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--degree", type=int, default=7)
+    p.add_argument("--degree", type=int, default=5)
     err, coeffs = fit(p.parse_args().degree)
-    print("S coefficients, highest power first:", ", ".join(f"{c:.9g}" for c in coeffs.tolist()))
+    print("P coefficients, highest power first:", ", ".join(f"{c:.9g}" for c in coeffs.tolist()))
     print(f"largest relative error of the fit: {err:.2e}")

@@ -71,9 +71,9 @@ def test_activation_and_its_derivative(name):
 
 
 def test_gelu_16bit_is_within_its_documented_error():
-    """The fitted GELU of the 16-bit kernels: Φ within ~1e-5 relative in both tails, far under bf16/fp16
-    rounding (3.9e-3 / 4.9e-4), and GELU' as close in absolute terms; finite for huge |x| too (where t's
-    d² overflows). The reference Φ is float64 erfc: F.gelu's 0.5·(1 + erf) cancels to 0 in the lower tail,
+    """The fitted GELU of the 16-bit kernels: Φ within ~6e-5 relative in both tails, under a quarter of the
+    smallest half-ulp of fp16 (2.4e-4; bf16's is 2e-3), and GELU' as close in absolute terms; finite for huge
+    |x| too (where t = 1/d is 0). The reference Φ is float64 erfc: F.gelu's 0.5·(1 + erf) cancels to 0 in the lower tail,
     even in float64."""
     x = torch.cat([inputs(), torch.tensor([1e10, -1e10, 1e30, -1e30], device=DEVICE)])
     out, grad = evaluate("gelu_16bit", x)
@@ -82,10 +82,10 @@ def test_gelu_16bit_is_within_its_documented_error():
     ref_grad = ref_cdf + xd * torch.exp(-0.5 * xd * xd) / (2 * torch.pi) ** 0.5
     keep = (xd.abs() > 1e-4) & (ref_cdf > 1e-30)
     cdf = out / xd  # GELU(x) / x = Φ(x), where x != 0
-    assert ((cdf - ref_cdf).abs() / ref_cdf)[keep].max() < 2e-5
-    assert ((1 - cdf) - (1 - ref_cdf)).abs()[keep].max() < 5e-6  # the upper tail, 1 - Φ, in absolute terms
-    assert ((out - xd * ref_cdf).abs() <= 1e-6 * xd.abs().clamp_min(1)).all()
-    assert (grad - ref_grad).abs().max() < 2e-5
+    assert ((cdf - ref_cdf).abs() / ref_cdf)[keep].max() < 7e-5
+    assert ((1 - cdf) - (1 - ref_cdf)).abs()[keep].max() < 3.5e-5  # the upper tail, 1 - Φ, in absolute terms
+    assert ((out - xd * ref_cdf).abs() <= 1e-5 * xd.abs().clamp_min(1)).all()
+    assert (grad - ref_grad).abs().max() < 3.5e-5
     assert torch.isfinite(out).all() and torch.isfinite(grad).all()
 
 
@@ -100,8 +100,8 @@ def test_special_values_are_the_limits(name):
     and silu gave NaN at -inf and their derivatives NaN at ±inf, gelu_tanh's from |x| ~ 1e19."""
     x = torch.tensor(SPECIAL_INPUTS, device=DEVICE)
     ours = evaluate(name, x)
-    # the fitted 16-bit GELU is within ~1e-5 of Φ (test above), not fp32's ulps
-    tol = dict(rtol=2e-5, atol=2e-5) if name == "gelu_16bit" else {}
+    # the fitted 16-bit GELU is within ~6e-5 of Φ (test above), not fp32's ulps
+    tol = dict(rtol=7e-5, atol=7e-5) if name == "gelu_16bit" else {}
     for o, ref, what in zip(ours, expected(name, SPECIAL_INPUTS), ("output", "derivative")):
         assert_special_values_match(o, ref, f"{name} {what} at {SPECIAL_INPUTS}", **tol)
 
@@ -171,7 +171,7 @@ def test_16bit_epilogue_special_values(act):
     x = torch.zeros(2, 16, device=DEVICE, dtype=torch.float16)
     w = torch.zeros(bias.numel(), 16, device=DEVICE, dtype=torch.float16)
     out, saved = linear_act_forward(x, w, bias, act)
-    tol = dict(rtol=4e-3, atol=4e-3)  # fp16 rounding of the outputs, and the fitted GELU's 1e-5
+    tol = dict(rtol=4e-3, atol=4e-3)  # fp16 rounding of the outputs, and the fitted GELU's 6e-5
     ga, gd = (v.half().double() for v in expected(gate_name, g))
     if gated:
         ua, ud = (v.half().double() for v in expected(up_name, u))
@@ -189,7 +189,7 @@ def test_16bit_epilogue_special_values(act):
 @pytest.mark.parametrize("name", ["gelu", "silu", "relu"])
 def test_activation_and_grad_is_the_pair(name):
     """activation_and_grad: for 16-bit outputs GELU and SiLU come from their shared forms (gelu_and_grad_16bit,
-    silu_and_grad), within 2e-5 of the exact pair; otherwise it is activation() and activation_grad() exactly."""
+    silu_and_grad), within 7e-5 of the exact pair; otherwise it is activation() and activation_grad() exactly."""
     x = inputs()
     exact = evaluate(name, x)
     for fast in (False, True):
@@ -197,7 +197,7 @@ def test_activation_and_grad_is_the_pair(name):
         _evaluate_pair[(triton.cdiv(x.numel(), BLOCK),)](x, out, grad, x.numel(), NAME=name, FAST16=fast, BLOCK=BLOCK)
         for ours, ref in zip((out.double().cpu(), grad.double().cpu()), exact):
             if fast and name != "relu":
-                assert torch.allclose(ours, ref, rtol=2e-5, atol=2e-5), (name, (ours - ref).abs().max())
+                assert torch.allclose(ours, ref, rtol=7e-5, atol=7e-5), (name, (ours - ref).abs().max())
             else:
                 assert torch.equal(ours, ref), name
 

@@ -85,14 +85,17 @@ def cases(dev="cuda"):
             "bf16 dgrad (grad_z, bias partials)": (dgrad16, [out["gz"], partial], lambda: gy @ w2)}
 
 
-def ptxas(mods):
-    """Each case's kernel compiled for sm_90a through the module's real launcher (its _run replaced), then ptxas -v."""
+def ptxas(mods, only=""):
+    """Each case's kernel compiled for sm_90a through the module's real launcher (its _run replaced), then ptxas -v
+    and the number of SASS instructions (both consumers and the loader)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for case, (launch, _, _) in cases("cpu").items():
+        if not case.startswith(only):
+            continue
         for name, pp in mods.items():
             built = []
 
@@ -115,28 +118,28 @@ def ptxas(mods):
                     f.write(built[0].asm["ptx"])
                 done = subprocess.run([f"{bin_dir}/ptxas", "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o",
                                        f"{d}/k.cubin"], capture_output=True, text=True)
+                sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True,
+                                      text=True).stdout
+            instructions = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
             said = " ".join(line.split(":", 1)[-1].strip() for line in done.stderr.splitlines()
                             if "Used" in line or "spill" in line)
-            print(f"{case:<38} {name:<8} {said}")
+            print(f"{case:<38} {name:<8} {instructions} instructions; {said}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--ptxas", action="store_true", help="compile for sm_90a and print ptxas -v's lines (no GPU)")
-    ap.add_argument("variants", nargs="*", help="name='old->new;;...' (default: " + str(VARIANTS) + ")")
-    args = ap.parse_args()
-    specs = dict(v.split("=", 1) for v in args.variants) or VARIANTS
+def run(specs, rounds=5, ptxas_only=False, only=""):
+    """The product against each variant (name -> substitutions), the cases whose name starts with `only`."""
     mods, paths = {"product": pingpong}, []
     for name, subs in specs.items():
         mods[name], path = variant(name, subs)
         paths.append(path)
     try:
-        if args.ptxas:
-            return ptxas(mods)
+        if ptxas_only:
+            return ptxas(mods, only)
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, M={M} C={C} H={H}, GELU + bias; GPU time, "
-              f"do_bench median per round (us), {args.rounds} rounds alternated")
+              f"do_bench median per round (us), {rounds} rounds alternated")
         for case, (launch, outs, cublas) in cases().items():
+            if not case.startswith(only):
+                continue
             launch(pingpong)
             torch.cuda.synchronize()
             ref = [o.clone() for o in outs]
@@ -152,7 +155,7 @@ def main():
                     lambda pp=pp, launch=launch: launch(pp))
             times = {n: [] for n in fns}
             names = list(fns)
-            for r in range(args.rounds):
+            for r in range(rounds):
                 for n in (names if r % 2 == 0 else names[::-1]):
                     times[n].append(do_bench(fns[n], warmup=25, rep=200, return_mode="median") * 1000)
             print(f"\n{case}")
@@ -162,6 +165,15 @@ def main():
     finally:
         for p in paths:
             os.remove(p)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ptxas", action="store_true", help="compile for sm_90a and print ptxas -v's lines (no GPU)")
+    ap.add_argument("variants", nargs="*", help="name='old->new;;...' (default: " + str(VARIANTS) + ")")
+    args = ap.parse_args()
+    run(dict(v.split("=", 1) for v in args.variants) or VARIANTS, args.rounds, args.ptxas)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""The GELU forward's epilogue, step by step: three cuts undone one at a time, from the product back to the kernel
+before them, for the MLP's ping-pong forwards at GPT-2 small's size (FP8: h8, h8ᵀ, dh/dz; bf16: h, dh/dz), each
+checked against the product bit for bit (or its largest difference shown) and timed in alternated rounds
+(consumer_warps.py's cases and timer). The variants, cumulative:
+  - "bias at the epilogue": the bias row loaded once the MMAs are done, not before them;
+  - "+ masked": the bias load and the rows past M masked even where M and N are whole tiles;
+  - "+ rsqrt, degree 7": GELU's Φ with t = rsqrt(d²), a degree-7 polynomial and 1/√(2π) as a multiply (the
+    gelu_and_grad_16bit before the cut, its source below).
+    python lab/fp8/epilogue_steps.py [--rounds=5] [--ptxas]   (--ptxas: instructions, registers, spills; no GPU)
+"""
+
+import argparse
+
+import consumer_warps
+
+BIAS_LINES = """                bias = 0.0
+                if HAS_BIAS and EPILOGUE == "act":  # loaded before the MMAs: at the epilogue, its latency stalled it
+                    bias = _bias_row(bias_ptr, off_n, N, BN, TN, acc_layout, EVEN)
+"""
+WAIT = "                acc = warpgroup_mma_wait(0, deps=(acc, ))\n"
+LATE_BIAS = f"{BIAS_LINES}->;;{WAIT}->{WAIT}{BIAS_LINES}"
+MASKED = "even = M % BLOCK_M == 0 and N % BLOCK_N == 0->even = False"
+IMPORT = "from ..activations import activation, activation_grad, gelu_and_grad_16bit, silu_and_grad"
+OLD_GELU = '''
+# Φ(-|x|) = exp(-x²/2) · t · S(t) with t = 1 / (1 + |x| / (2√2)) and S the degree-7 polynomial in
+# gelu_and_grad_16bit, fitted to erfcx(|x|/√2) / (2t) by lab/fit_gelu_cdf.py.
+GELU_CDF_T = tl.constexpr(0.3535533905932738)  # 1 / (2√2)
+NEG_HALF_LOG2E = tl.constexpr(-0.7213475204444817)  # exp(-x²/2) = exp2(x² · this)
+
+
+@triton.jit
+def gelu_and_grad_16bit(x):
+    """(GELU(x), GELU'(x)) = (x·Φ(x), Φ(x) + x·φ(x)) for 16-bit outputs: one reciprocal square root,
+    one exp2 and a short polynomial an element, where libdevice's erf takes several times as many
+    instructions and made the ping-pong kernel's epilogue, not its MMAs, the bottleneck (docs/performance.md).
+    NaN gives (NaN, NaN), +inf (inf, 1) and -inf (-0, -0): the limits (tests/special_values.py; eager
+    PyTorch gives NaN for all but gelu(+inf), and on AVX-512 CPUs for that too in fp32).
+    Φ(-|x|) = φ(x)·√(2π)·t·S(t) (see GELU_CDF_T) is within ~1e-5 of Φ, relative, in both tails: far
+    under the 3.9e-3 (bf16) and 4.9e-4 (fp16) of the outputs it is used for, not under fp32's."""
+    # t = 1/d as rsqrt(d²): one MUFU.RSQ and a multiply, where a division (even tl.fdiv's approximate
+    # one) adds range fix-ups that cost more than the polynomial's FMAs. d² overflows only past |x| ~ 5e19,
+    # where exp(-x²/2), and so the tail, is 0 whatever t is (tested up to 1e30).
+    d = 1.0 + GELU_CDF_T * tl.abs(x)
+    t = tl.math.rsqrt(d * d)
+    s = t * 0.0254627994 - 0.055224472  # S(t), Horner's rule
+    s = s * t - 0.020281909
+    s = s * t + 0.0624646826
+    s = s * t + 0.0811223867
+    s = s * t + 0.124412371
+    s = s * t + 0.140997735
+    s = s * t + 0.141047785
+    gauss = tl.exp2(x * x * NEG_HALF_LOG2E)  # exp(-x²/2) = φ(x)·√(2π)
+    tail = gauss * t * s  # Φ(-|x|)
+    cdf = tl.where(x >= 0.0, 1.0 - tail, tail)
+    # x clamped where it multiplies a factor that is 0 beyond ±TAIL (see TAIL): the limits at ±inf, not inf · 0
+    xl = tl.where(x < -TAIL, -TAIL, x)
+    xc = tl.where(xl > TAIL, TAIL, xl)
+    return xl * cdf, cdf + xc * gauss * INV_SQRT_2PI
+'''
+RSQRT7 = (f"{IMPORT}->from ..activations import TAIL, INV_SQRT_2PI, activation, activation_grad, silu_and_grad"
+          f"\nimport triton\nimport triton.language as tl\n{OLD_GELU}")
+VARIANTS = {"bias at the epilogue": LATE_BIAS, "+ masked": f"{LATE_BIAS};;{MASKED}",
+            "+ rsqrt, degree 7": f"{LATE_BIAS};;{MASKED};;{RSQRT7}"}
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ptxas", action="store_true")
+    args = ap.parse_args()
+    for case in ("FP8 forward", "bf16 forward"):
+        consumer_warps.run(VARIANTS, args.rounds, args.ptxas, only=case)
