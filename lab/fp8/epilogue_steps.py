@@ -7,9 +7,19 @@ checked against the product bit for bit (or its largest difference shown) and ti
   - "+ rsqrt, degree 7": GELU's Φ with t = rsqrt(d²), a degree-7 polynomial and 1/√(2π) as a multiply (the
     gelu_and_grad_16bit before the cut, its source below).
     python lab/fp8/epilogue_steps.py [--rounds=5] [--ptxas]   (--ptxas: instructions, registers, spills; no GPU)
+
+Where the FP8 forward's warps wait (Nsight Compute's warp-state samples, by SASS instruction):
+    ncu --clock-control none -k regex:pingpong --launch-skip 2 --launch-count 1 --set full --import-source yes \\
+        -o fwd8 python lab/fp8/epilogue_steps.py --launch
+    ncu -i fwd8.ncu-rep --page source --csv --print-source sass > fwd8.csv
+    python lab/fp8/epilogue_steps.py --stalls fwd8.csv
+--stalls groups the instructions by how often each warp ran them: the main loop's run once a K step, the epilogue's
+once a tile (a count for each consumer: its tiles times 8 warps), the set-up's once a program.
 """
 
 import argparse
+import collections
+import csv
 
 import consumer_warps
 
@@ -62,10 +72,44 @@ RSQRT7 = (f"{IMPORT}->from ..activations import TAIL, INV_SQRT_2PI, activation, 
 VARIANTS = {"bias at the epilogue": LATE_BIAS, "+ masked": f"{LATE_BIAS};;{MASKED}",
             "+ rsqrt, degree 7": f"{LATE_BIAS};;{MASKED};;{RSQRT7}"}
 
+
+
+def stalls(path, groups=8):
+    """The samples of ncu's source page (CSV), grouped by instructions' execution counts, with their top stalls."""
+    rows = list(csv.reader(open(path)))
+    head = next(i for i, r in enumerate(rows) if "Source" in r)
+    col = {h: i for i, h in enumerate(rows[head])}
+    reasons = [h for h in rows[head] if h.startswith("stall_") and "Not Issued" not in h]
+    by_count = collections.defaultdict(lambda: [0, 0, collections.Counter(), ""])
+    total = 0
+    for r in rows[head + 1:]:
+        g = by_count[int(r[col["Instructions Executed"]] or 0)]
+        n = int(r[col["Warp Stall Sampling (All Samples)"]] or 0)
+        g[0] += n
+        g[1] += 1
+        g[3] = g[3] or r[col["Source"]].strip()
+        for h in reasons:
+            g[2][h[6:]] += int(r[col[h]] or 0)
+        total += n
+    print(f"{total} samples; groups of instructions by how often they ran (warp-level), most samples first")
+    for count, (n, k, why, first) in sorted(by_count.items(), key=lambda kv: -kv[1][0])[:groups]:
+        print(f"  run {count:>7} times, {k:5d} instructions, {n:6d} samples ({100 * n / total:4.1f}%): "
+              + ", ".join(f"{w} {100 * v / max(n, 1):.0f}%" for w, v in why.most_common(5)) + f"   (first: {first[:40]})")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ptxas", action="store_true")
+    ap.add_argument("--launch", action="store_true", help="only run the product's FP8 forward 4 times (for ncu)")
+    ap.add_argument("--stalls", metavar="CSV", help="summarize ncu's source page of the FP8 forward")
     args = ap.parse_args()
-    for case in ("FP8 forward", "bf16 forward"):
-        consumer_warps.run(VARIANTS, args.rounds, args.ptxas, only=case)
+    if args.stalls:
+        stalls(args.stalls)
+    elif args.launch:
+        launch = next(fn for case, (fn, _, _) in consumer_warps.cases().items() if case.startswith("FP8 forward"))
+        for _ in range(4):
+            launch(consumer_warps.pingpong)
+    else:
+        for case in ("FP8 forward", "bf16 forward"):
+            consumer_warps.run(VARIANTS, args.rounds, args.ptxas, only=case)
