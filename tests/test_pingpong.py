@@ -41,20 +41,22 @@ def compile_for_sm90(args, consts, tiles, device):  # stands in for the launch
                             options=dict(num_warps=consts["CONSUMER_WARPS"],
                                          maxnreg=pp.registers(consts["CONSUMER_WARPS"])[0]))
     shared.append(kernel.metadata.shared)
+    evens.append(consts["EVEN"])
 
 pp._run = compile_for_sm90
 warnings.simplefilter("error", pp.FallbackWarning)  # a failure must fail this test, not fall back
 shared = []  # compile_for_sm90's: each kernel's shared memory (bytes)
+evens = []  # and whether it was compiled for whole tiles (EVEN)
 
 
-def compile_case(op, act, up_act, gated, bias):
-    M, K, N = 1000, 200, 520
+def compile_case(op, act, up_act, gated, bias, even):
+    M, K, N = (1024, 200, 512) if even else (1000, 200, 520)
     t = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)
     rows = 2 * N if gated else N
     if op == "forward":
         pp.linear_act_forward(t(M, K), t(rows, K), t(rows) if bias else None, act, up_act, gated, bias, t(M, N), t(M, rows))
     elif op in ("forward_fp8", "dgrad_fp8", "forward_fp8_in", "dgrad_fp8_in"):  # (FP8 in: rows of 16 bytes)
-        K, N, inv = 256, 512, (torch.ones(1), torch.ones(1))
+        K, N, inv = 256, 512, (torch.ones(1), torch.ones(1))  # (M: even or not)
         e4m3 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)
         e5m2 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e5m2)
         rows = 2 * N if gated else N
@@ -78,13 +80,14 @@ def compile_case(op, act, up_act, gated, bias):
 
 
 results = {}
-for case in json.loads(sys.argv[1]):  # [op, act, up_act, gated, bias]: one process compiles them all
+for case in json.loads(sys.argv[1]):  # [op, act, up_act, gated, bias, even]: one process compiles them all
     shared.clear()
+    evens.clear()
     pp.FAILURE = pp.LOGITS_FAILURE = fp8_pp.FP8_FAILURE = None  # (one case's failure turns the kernel off: not here)
     try:
-        op, act, up_act, gated, bias = case
-        compile_case(op, act, up_act, bool(gated), bool(bias))
-        results[" ".join(map(str, case))] = {"shared": max(shared)}
+        op, act, up_act, gated, bias, even = case
+        compile_case(op, act, up_act, bool(gated), bool(bias), bool(even))
+        results[" ".join(map(str, case))] = {"shared": max(shared), "even": all(evens)}
     except Exception:
         results[" ".join(map(str, case))] = {"error": traceback.format_exc()[-3000:]}
 print(json.dumps(results))
@@ -102,15 +105,20 @@ SM90_CASES = [
     ("dgrad_fp8_in", "identity", "identity", 1, 1), ("dgrad_fp8_in", "identity", "identity", 1, 0),
     ("dgrad", "identity", "identity", 0, 1), ("dgrad", "identity", "identity", 0, 0),
     ("dgrad", "identity", "identity", 1, 1), ("lse", "bf16", "identity", 0, 0), ("lse", "fp8", "identity", 0, 0)]
+# The same kernels where M and N are whole tiles (EVEN: the forward's bias load and rows unmasked), as in training.
+SM90_CASES = [case + (0,) for case in SM90_CASES] + [
+    ("forward", "gelu", "identity", 0, 1, 1), ("forward_fp8", "gelu", "identity", 0, 1, 1),
+    ("forward_fp8", "silu", "identity", 1, 1, 1)]
 
 
 @pytest.mark.skipif(not pingpong.AVAILABLE and "TRITON_INTERPRET" not in os.environ,
                     reason="this Triton has no Gluon")
 def test_compiles_for_hopper():
-    """Every case of SM90_CASES (op, activation, up activation, gated, bias) compiled (not run) for sm_90 through the
+    """Every case of SM90_CASES (op, activation, up activation, gated, bias, even) compiled (not run) for sm_90 through the
     real launcher, in one process without the interpreter (one start of torch and Triton for all of them): catches a
     Triton whose Gluon API moved (TMA copy names, warp_specialize) or a variant whose shared memory outgrew an H100's
-    before a Hopper user does. Triton bundles ptxas. (bias also means save.)"""
+    before a Hopper user does. Triton bundles ptxas. (bias also means save; even: M and N whole tiles, which the
+    launcher must see.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90, json.dumps(SM90_CASES)],
@@ -122,6 +130,7 @@ def test_compiles_for_hopper():
     assert len(built) == len(SM90_CASES)
     failed = {case: b["error"] for case, b in built.items() if "error" in b}
     assert not failed, "\n".join(f"{case}:\n{error}" for case, error in failed.items())
+    assert [b["even"] for b in built.values()] == [bool(case[5]) for case in SM90_CASES]
     too_big = {case: b["shared"] for case, b in built.items() if b["shared"] > 227 * 1024}  # an H100's per block
     assert not too_big, too_big
 
@@ -405,7 +414,8 @@ def assert_near(ours, want, bound=1e-2):
 @pytest.mark.parametrize("act", ["gelu", "relu2"])
 @pytest.mark.parametrize("programs", [None, 2])
 @pytest.mark.parametrize("saturate", [False, True])
-def test_forward_fp8_output(act, programs, saturate, monkeypatch):
+@pytest.mark.parametrize("M", [1000, 1024])
+def test_forward_fp8_output(act, programs, saturate, M, monkeypatch):
     """The FP8 MLP's forward GEMM, FP8 in (x8, W8 in e4m3, an FP8 main loop) and out (h8 and h8ᵀ): fp8(h · scale) of
     the fp32 h, within one FP8 step of torch's quantization of the h the 16-bit-output variant writes from the same
     accumulator (and equal almost everywhere; that h near the float64 one on the same FP8 operands), NaN in NaN's
@@ -414,11 +424,13 @@ def test_forward_fp8_output(act, programs, saturate, monkeypatch):
     where the real rows' amax is several times smaller. programs=2: 32 tiles on two persistent programs, so that
     both consumers run and reuse their buffers across tiles (with one program per SM, each program here gets one
     tile). K = 384: three K slices of 128. saturate: a scale 50x larger, so that many values pass e4m3's range and
-    must come out ±448 (the conversion saturates them: fp8_quantize.quantize)."""
+    must come out ±448 (the conversion saturates them: fp8_quantize.quantize). M = 1024: whole tiles, the epilogue's
+    unmasked form (EVEN)."""
     if programs:
         monkeypatch.setattr(pingpong, "_num_sms", lambda device: programs)
     E4M3 = torch.float8_e4m3fn
-    M, K, N = 1000, 384, 512
+    K, N = 384, 512
+    Mp = -(-M // 16) * 16
     g = torch.Generator("cuda").manual_seed(0)
     x = (torch.rand(M, K, device="cuda", generator=g) + 0.5).bfloat16()  # positive, so that x @ W.T < -3
     w = (-(torch.rand(N, K, device="cuda", generator=g) + 0.5) * (4 / K)).bfloat16()
@@ -430,7 +442,7 @@ def test_forward_fp8_output(act, programs, saturate, monkeypatch):
                          device="cuda")
     amax = torch.zeros(1, device="cuda")
     h8 = torch.empty(M, N, device="cuda", dtype=E4M3)
-    h8t = torch.full((N, 1008), 1.0, device="cuda").to(E4M3)  # (1008: M padded to 16, as fp8.py pads)
+    h8t = torch.full((N, Mp), 1.0, device="cuda").to(E4M3)  # (Mp: M padded to 16, as fp8.py pads)
     saved = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     assert fp8_hopper.linear_act_forward_fp8(x8, w8, inv, b, act, h8, h8t, saved, scale, amax)
     assert torch.equal(h8t[:, :M].t().view(torch.uint8), h8.view(torch.uint8))  # bit for bit, NaNs too
@@ -576,17 +588,19 @@ def test_gated_fp8_inputs(op, bias):
 @pytest.mark.parametrize("op", ["forward", "dgrad"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("programs", [None, 2])
-def test_gated_fp8_output(op, bias, programs, monkeypatch):
+@pytest.mark.parametrize("M", [1007, 1024])
+def test_gated_fp8_output(op, bias, programs, M, monkeypatch):
     """The gated variants with FP8 outputs (the FP8 MLP's SwiGLU path): h8 (forward, e4m3) or gz8 over both halves
     (dgrad, e5m2, stored from the spent saved tiles) within one FP8 step of torch's quantization of what the
     16-bit-output variant writes from the same accumulator (itself near the float64 result on the same FP8 operands)
     and equal almost everywhere; the transposed copy bit for bit, zero past M; the amax; what both variants write
-    (dh/dgate and dh/dup, the bias sums) bit for bit; at odd M. Without bias, a NaN in one row of the input: NaN in
+    (dh/dgate and dh/dup, the bias sums) bit for bit; at odd M, and at whole tiles (M = 1024: the forward's unmasked
+    form, EVEN). Without bias, a NaN in one row of the input: NaN in
     that row of both halves (and of dh/dgate, dh/dup), nowhere else, and kept out of the amax."""
     if programs:
         monkeypatch.setattr(pingpong, "_num_sms", lambda device: programs)
     E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-    M, K, N, Mp = 1000 + 7, 768, 512, 1008
+    K, N, Mp = 768, 512, -(-M // 16) * 16
     g = torch.Generator("cuda").manual_seed(2)
     a = torch.randn(M, K, device="cuda", generator=g).bfloat16()
     nan_row = None if bias else 5  # (a NaN row would make every bias-gradient column sum NaN)
