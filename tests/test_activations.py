@@ -73,8 +73,8 @@ def test_activation_and_its_derivative(name):
 def test_gelu_16bit_is_within_its_documented_error():
     """The fitted GELU of the 16-bit kernels: Φ within ~6e-5 relative in both tails, under a quarter of the
     smallest half-ulp of fp16 (2.4e-4; bf16's is 2e-3), and GELU' as close in absolute terms; finite for huge
-    |x| too (where t = 1/d is 0). The reference Φ is float64 erfc: F.gelu's 0.5·(1 + erf) cancels to 0 in the lower tail,
-    even in float64."""
+    |x| too (where t = 1/d is 0). The reference Φ is float64 erfc: F.gelu's 0.5·(1 + erf) cancels to 0 in the
+    lower tail, even in float64."""
     x = torch.cat([inputs(), torch.tensor([1e10, -1e10, 1e30, -1e30], device=DEVICE)])
     out, grad = evaluate("gelu_16bit", x)
     xd = x.double().cpu()

@@ -114,8 +114,8 @@ SM90_CASES = [case + (0,) for case in SM90_CASES] + [
 @pytest.mark.skipif(not pingpong.AVAILABLE and "TRITON_INTERPRET" not in os.environ,
                     reason="this Triton has no Gluon")
 def test_compiles_for_hopper():
-    """Every case of SM90_CASES (op, activation, up activation, gated, bias, even) compiled (not run) for sm_90 through the
-    real launcher, in one process without the interpreter (one start of torch and Triton for all of them): catches a
+    """Every case of SM90_CASES (op, activation, up activation, gated, bias, even) compiled (not run) for sm_90 through
+    the real launcher, in one process without the interpreter (one start of torch and Triton for all of them): catches a
     Triton whose Gluon API moved (TMA copy names, warp_specialize) or a variant whose shared memory outgrew an H100's
     before a Hopper user does. Triton bundles ptxas. (bias also means save; even: M and N whole tiles, which the
     launcher must see.)"""

@@ -73,7 +73,6 @@ VARIANTS = {"bias at the epilogue": LATE_BIAS, "+ masked": f"{LATE_BIAS};;{MASKE
             "+ rsqrt, degree 7": f"{LATE_BIAS};;{MASKED};;{RSQRT7}"}
 
 
-
 def stalls(path, groups=8):
     """The samples of ncu's source page (CSV), grouped by instructions' execution counts, with their top stalls."""
     rows = list(csv.reader(open(path)))
