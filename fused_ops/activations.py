@@ -171,7 +171,9 @@ def gelu_and_grad_16bit(x):
     p = p * t + 0.295403641
     p = p * t + 0.35495178
     p = p * t + 0.353532801
-    phi = tl.exp2(x * x * NEG_HALF_LOG2E + LOG2_INV_SQRT_2PI)  # φ(x), 1/√(2π) folded into the exponent
+    # φ(x), 1/√(2π) folded into the exponent. (x·k)·x, not (x·x)·k: as accurate, and in the portable kernel's first
+    # tile config ptxas then spills 4 bytes, not 208 (results/portable/gelu_pair_h100.txt)
+    phi = tl.exp2((x * NEG_HALF_LOG2E) * x + LOG2_INV_SQRT_2PI)
     tail = phi * t * p  # Φ(-|x|)
     cdf = tl.where(x >= 0.0, 1.0 - tail, tail)
     # x clamped where it multiplies a factor that is 0 beyond ±TAIL (see TAIL): the limits at ±inf, not inf · 0
