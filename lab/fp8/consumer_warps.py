@@ -92,7 +92,6 @@ def ptxas(mods, only=""):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     for case, (launch, _, _) in cases("cpu").items():
         if not case.startswith(only):
             continue
@@ -113,17 +112,24 @@ def ptxas(mods, only=""):
 
             pp._run = compile_only
             launch(pp)
-            with tempfile.TemporaryDirectory() as d:
-                with open(f"{d}/k.ptx", "w") as f:
-                    f.write(built[0].asm["ptx"])
-                done = subprocess.run([f"{bin_dir}/ptxas", "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o",
-                                       f"{d}/k.cubin"], capture_output=True, text=True)
-                sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True,
-                                      text=True).stdout
-            instructions = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
-            said = " ".join(line.split(":", 1)[-1].strip() for line in done.stderr.splitlines()
-                            if "Used" in line or "spill" in line)
-            print(f"{case:<38} {name:<8} {instructions} instructions; {said}")
+            print(f"{case:<38} {name:<8} {sass_report(built[0].asm['ptx'])}")
+
+
+def sass_report(ptx):
+    """A kernel's PTX assembled for sm_90a by Triton's bundled ptxas: its SASS instruction count, then what ptxas -v
+    says of registers and spills."""
+    import triton
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/k.ptx", "w") as f:
+            f.write(ptx)
+        done = subprocess.run([f"{bin_dir}/ptxas", "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                              capture_output=True, text=True)
+        sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True, text=True).stdout
+    instructions = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
+    said = " ".join(line.split(":", 1)[-1].strip() for line in done.stderr.splitlines()
+                    if "Used" in line or "spill" in line)
+    return f"{instructions} instructions; {said}"
 
 
 def run(specs, rounds=5, ptxas_only=False, only=""):

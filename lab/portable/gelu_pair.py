@@ -19,7 +19,6 @@ import argparse
 import importlib
 import inspect
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -60,12 +59,12 @@ linear_act = importlib.import_module("fused_ops.linear_act")
 
 def compile_only(kernel, M, N, K, call_args, consts, gated, dtype, key, descriptors=(), configs=None):
     """linear_act's launch_matmul, compiling each config for sm_90a (Triton's JIT signature: 16-byte alignment and
-    integers equal to 1 specialized) and printing what ptxas and cuobjdump say."""
+    integers equal to 1 specialized) and printing what ptxas and cuobjdump say (consumer_warps.sass_report)."""
     import triton
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import native_specialize_impl
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    import consumer_warps  # (lab/fp8: sass_report)
     for cfg in tuning.matmul_configs(gated, dtype, all_configs=True)[:args.configs]:
         _, values = tuning._grid_and_args(cfg, M, N, call_args, descriptors)
         constexprs = tuning._constexprs(consts, cfg, K)
@@ -81,18 +80,9 @@ def compile_only(kernel, M, N, K, call_args, consts, gated, dtype, key, descript
         options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         built = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                                options=options)
-        with tempfile.TemporaryDirectory() as d:
-            with open(f"{d}/k.ptx", "w") as f:
-                f.write(built.asm["ptx"])
-            said = subprocess.run([f"{bin_dir}/ptxas", "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o",
-                                   f"{d}/k.cubin"], capture_output=True, text=True).stderr
-            sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True,
-                                  text=True).stdout
-        count = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
-        said = " ".join(line.split(":", 1)[-1].strip() for line in said.splitlines() if "Used" in line or "spill" in line)
         tile = "x".join(str(cfg.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N"))
         print(f"GELU pair {args.gelu:<8} {args.loop:<7} loop, {tile} w{cfg.num_warps} P{cfg.kwargs['PERSISTENT']}: "
-              f"{count} instructions; {said}", flush=True)
+              f"{consumer_warps.sass_report(built.asm['ptx'])}", flush=True)
 
 
 if args.ptxas:
