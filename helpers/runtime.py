@@ -111,6 +111,11 @@ def wrap_model(model, compile, world, device_type, bucket_cap_mb=BUCKET_MB, regi
     return model
 
 
+# Every FP8State's number, as Dynamo names the attribute in a block's forward (a regular expression it matches from
+# the start of the name): L['self']._modules['attn']._modules['fp8']._modules['0'].number, ...mlp.path.state.number
+FP8_STATE_NUMBER = r".*\.number$"
+
+
 def compile_regions(model, compile):
     """Regional compilation, in place: each block of a GPT and its output (GPT.output) compiled apart, the rest
     (the embeddings, the loop over blocks) left eager. The blocks share one forward, so torch.compile traces and
@@ -118,12 +123,16 @@ def compile_regions(model, compile):
     blocks (docs/performance.md, start-up). What it gives up: fusion across a block's edge (the residual add that
     ends one block and the LayerNorm that starts the next are two kernels), and under CUDA graphs one graph a block.
     FP8State.number (the FP8 layers' operators find their state by it) differs between blocks: as a plain int
-    attribute of a module torch.compile would specialize on it and compile every block again, so module ints are
-    let become dynamic (one recompile, the second block's, then shared)."""
+    attribute of a module torch.compile would specialize on it and compile every block again. It is named a dynamic
+    source, so the first block's graph already takes it as a symbol and the others reuse that graph; module ints
+    may become dynamic too (a torch without dynamic sources then recompiles once, at the second block)."""
     import torch._dynamo.config as dynamo_config
     inductor_fix.apply()
     cache_autograd_functions()
     dynamo_config.allow_unspec_int_on_nn_module = True
+    sources = torch.compiler.config.dynamic_sources  # (comma-separated; a user's own entries are kept)
+    if FP8_STATE_NUMBER not in sources.split(","):
+        torch.compiler.config.dynamic_sources = ",".join(filter(None, (sources, FP8_STATE_NUMBER)))
     mode = None if compile in (True, "default") else compile
     for block in model.transformer.h:
         block.compile(mode=mode)

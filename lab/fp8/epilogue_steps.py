@@ -7,6 +7,8 @@ checked against the product bit for bit (or its largest difference shown) and ti
   - "+ rsqrt, degree 7": GELU's Φ with t = rsqrt(d²), a degree-7 polynomial and 1/√(2π) as a multiply (the
     gelu_and_grad_16bit before the cut, its source below).
     python lab/fp8/epilogue_steps.py [--rounds=5] [--ptxas]   (--ptxas: instructions, registers, spills; no GPU)
+--order instead: the product against its own GELU pair with φ's exponent rounded as (x·x)·k, 3ddd621's order, not
+(x·k)·x (lab/portable/gelu_pair.py measures the same two in the portable forward).
 
 Where the FP8 forward's warps wait (Nsight Compute's warp-state samples, by SASS instruction):
     ncu --clock-control none -k regex:pingpong --launch-skip 2 --launch-count 1 --set full --import-source yes \\
@@ -20,6 +22,7 @@ once a tile (a count for each consumer: its tiles times 8 warps), the set-up's o
 import argparse
 import collections
 import csv
+import inspect
 
 import consumer_warps
 
@@ -69,6 +72,21 @@ def gelu_and_grad_16bit(x):
 '''
 RSQRT7 = (f"{IMPORT}->from ..activations import TAIL, INV_SQRT_2PI, activation, activation_grad, silu_and_grad"
           f"\nimport triton\nimport triton.language as tl\n{OLD_GELU}")
+# φ's exponent in the product's pair, and the order it had at 3ddd621
+ORDER = ("phi = tl.exp2((x * NEG_HALF_LOG2E) * x + LOG2_INV_SQRT_2PI)",
+         "phi = tl.exp2(x * x * NEG_HALF_LOG2E + LOG2_INV_SQRT_2PI)")
+
+
+def xxk_pair():
+    """The substitution that gives pingpong.py its own copy of the product's pair, in 3ddd621's order."""
+    from fused_ops import activations
+    src = inspect.getsource(activations.gelu_and_grad_16bit.fn)
+    assert src.count(ORDER[0]) == 1 and "->" not in src and ";;" not in src
+    names = "TAIL, GELU_CDF_T, NEG_HALF_LOG2E, LOG2_INV_SQRT_2PI, _reciprocal_ftz"
+    return (f"{IMPORT}->from ..activations import {names}, activation, activation_grad, silu_and_grad"
+            f"\nimport triton\nimport triton.language as tl\n\n\n{src.replace(*ORDER)}")
+
+
 VARIANTS = {"bias at the epilogue": LATE_BIAS, "+ masked": f"{LATE_BIAS};;{MASKED}",
             "+ rsqrt, degree 7": f"{LATE_BIAS};;{MASKED};;{RSQRT7}"}
 
@@ -102,8 +120,12 @@ if __name__ == "__main__":
     ap.add_argument("--ptxas", action="store_true")
     ap.add_argument("--launch", action="store_true", help="only run the product's FP8 forward 4 times (for ncu)")
     ap.add_argument("--stalls", metavar="CSV", help="summarize ncu's source page of the FP8 forward")
+    ap.add_argument("--order", action="store_true", help="the product against its pair in (x·x)·k order (xxk)")
     args = ap.parse_args()
-    if args.stalls:
+    if args.order:
+        for case in ("FP8 forward", "bf16 forward"):
+            consumer_warps.run({"xxk": xxk_pair()}, args.rounds, args.ptxas, only=case)
+    elif args.stalls:
         stalls(args.stalls)
     elif args.launch:
         launch = next(fn for case, (fn, _, _) in consumer_warps.cases().items() if case.startswith("FP8 forward"))

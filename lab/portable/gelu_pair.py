@@ -35,16 +35,14 @@ args = ap.parse_args()
 
 from fused_ops import activations, tuning  # noqa: E402
 
-ORDER = ("phi = tl.exp2((x * NEG_HALF_LOG2E) * x + LOG2_INV_SQRT_2PI)",
-         "phi = tl.exp2(x * x * NEG_HALF_LOG2E + LOG2_INV_SQRT_2PI)")
 if args.gelu != "product":  # written out as a module: Triton reads a kernel's source from its file
+    import epilogue_steps  # noqa: E402
     if args.gelu == "before":
-        import epilogue_steps  # noqa: E402
         src = epilogue_steps.OLD_GELU
     else:
         src = inspect.getsource(activations.gelu_and_grad_16bit.fn)
-        assert src.count(ORDER[0]) == 1
-        src = src.replace(*ORDER)
+        assert src.count(epilogue_steps.ORDER[0]) == 1
+        src = src.replace(*epilogue_steps.ORDER)
     folder = tempfile.mkdtemp()
     with open(os.path.join(folder, "gelu_variant.py"), "w") as f:
         f.write("import triton\nimport triton.language as tl\nfrom fused_ops.activations import *  # noqa\n"
