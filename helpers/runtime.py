@@ -124,8 +124,9 @@ def compile_regions(model, compile):
     ends one block and the LayerNorm that starts the next are two kernels), and under CUDA graphs one graph a block.
     FP8State.number (the FP8 layers' operators find their state by it) differs between blocks: as a plain int
     attribute of a module torch.compile would specialize on it and compile every block again. It is named a dynamic
-    source, so the first block's graph already takes it as a symbol and the others reuse that graph; module ints
-    may become dynamic too (a torch without dynamic sources then recompiles once, at the second block)."""
+    source, so the first block's graph already takes it as a symbol and the others reuse that graph. Module ints are
+    also let become dynamic (measured with that on torch 2.11); alone, that waits until an int has changed, and the
+    second block compiled again."""
     import torch._dynamo.config as dynamo_config
     inductor_fix.apply()
     cache_autograd_functions()
