@@ -321,11 +321,11 @@ class GPT(nn.Module):
         if not (self.config.fp8 and torch.is_grad_enabled() and torch.compiler.is_compiling()):
             return None
         weights = [block.fp8_weights() for block in self.transformer.h]
-        flat, fused_ops = [w for pair in weights for part in pair for w in part], import_fused_ops(required=True)
-        if not fused_ops.fp8.weight_copies.can_run(flat):
+        copies = _model_wide_fp8_copies([w for pair in weights for part in pair for w in part])
+        if copies is None:
             return None  # (weights of several dtypes, say: each layer makes its own)
         # (W8, W8ᵀ, 1/scale) a weight: the attention takes one a linear, the MLP all six in one
-        copies = iter(fused_ops.fp8_weight_copies(flat))
+        copies = iter(copies)
         return [(tuple(next(copies) for _ in attn) or None, tuple(c for _ in mlp for c in next(copies)) or None)
                 for attn, mlp in weights]
 
@@ -467,4 +467,12 @@ def compile_kernels(spec, device):
                 optimizer.grad_scale = torch.ones((), device=device)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    if gpt.config.fp8:  # a run compiled whole makes every FP8 weight copy in one operator (GPT.fp8_weight_copies)
+        _model_wide_fp8_copies([w for part in gpt.transformer.h[0].fp8_weights() for w in part])
     return gpt
+
+
+def _model_wide_fp8_copies(weights):
+    """fused_ops.fp8_weight_copies(weights), or None where it cannot take them."""
+    fused_ops = import_fused_ops(required=True)
+    return fused_ops.fp8_weight_copies(weights) if fused_ops.fp8.weight_copies.can_run(weights) else None

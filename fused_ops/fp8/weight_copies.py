@@ -42,9 +42,11 @@ from .kernels import E4M3, FLOAT32_MAX, FP8_MAX, quantize_weight_fused
 W_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AMAX_BLOCK = 4096  # elements an amax program reads (4 warps: 32 a thread)
 TILE = 64  # a cast program's tile, TILE x TILE: the row-major cast's tile of kernels.CAST_TILE
+# The kernels take n, the number of weights, unspecialized: the precompile child's one block has 4, GPT-2's 12
+# blocks 48, a multiple of 16 that Triton would compile again for (model.compile_kernels).
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def weight_amax_kernel(table_ptr, block_weight_ptr, block_index_ptr, amax_ptr, n, W_DTYPE: tl.constexpr,
                        BLOCK: tl.constexpr):
     """amax_ptr[i] = max(amax_ptr[i], max |W_i| over this program's block), NaN counted as inf."""
@@ -74,7 +76,7 @@ def _tile(table_ptr, tile_weight_ptr, tile_index_ptr, n, TILE: tl.constexpr):
     return i, tile, N, K, offset, offs_n, offs_k
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_ptr, inv_ptr, n, W_DTYPE: tl.constexpr,
                        FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, TILE: tl.constexpr):
     """One TILE x TILE tile of W_i (N, K) into W8_i (row-major, at its offset in q_ptr), with the weight's current
@@ -94,7 +96,7 @@ def weight_cast_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, amax_ptr, q_p
         tl.store(inv_ptr + 4 * i, tl.math.div_rn(tl.full((), 1.0, tl.float32), scale))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def weight_transpose_kernel(table_ptr, tile_weight_ptr, tile_index_ptr, q_ptr, qt_ptr, n, EMULATE: tl.constexpr,
                             TILE: tl.constexpr):
     """One TILE x TILE tile of W8_i (N, K) into W8ᵀ_i (K, N), exactly: kernels.transpose_fp8's way, the FP8 tile
