@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's results table: these commands on one GPU, at one commit, writing results/h200/ (or $2).
+# The README's results table: these commands on one GPU, at one commit, writing out-table/ (or $2; the table's
+# files are in results/h100/).
 #   bash lab/readme_table.sh [steps|kernels|learning|all] [OUT_DIR]
 # steps: the GPT-2 124M and baby GPT steps (bench.py); kernels: the MLP alone (bench_mlp.py) and the classifier alone
 # (bench_classifier.py, with Liger-Kernel and Cut Cross-Entropy where installed: pip install --no-deps their wheels);
@@ -11,7 +12,7 @@
 # see results/h200/README.md).
 set -uo pipefail
 part=${1:-all}
-out=${2:-results/h200}
+out=${2:-out-table}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
