@@ -215,7 +215,8 @@ def import_fused_ops(required):
         import fused_ops
     except ImportError as e:
         if required:
-            raise ImportError(f"mlp='fused' needs Triton ({e}); install it or set mlp='eager' or 'auto'") from e
+            raise ImportError(f"mlp='fused' needs Triton, which cannot be imported here ({e}): install it, or set "
+                              "mlp='eager' or 'auto'") from e
         return None
     return fused_ops
 

@@ -43,6 +43,11 @@ Then, above the core:
 17. layers.py: the runners model.MLP picks once (FusedMLP, FP8MLP, AutoMLP), which own the CUDA graphs.
 """
 
+from . import env
+
+if env.INTERPRET and env.interpreter_problem():  # (before any kernel: model.py's mlp="auto" then runs eager)
+    raise ImportError(env.interpreter_problem())
+
 from .activations import GATED, PLAIN, kernel_activations
 from .dgrad import linear_act_dgrad
 from .linear_act import linear_act_forward

@@ -38,6 +38,34 @@ ADAMW = os.environ.get("FUSED_OPS_ADAMW", "1") != "0"
 GATE_PAIRS = os.environ.get("FUSED_OPS_GATE_PAIRS", "1") != "0"
 
 
+def interpreter_problem():
+    """Why Triton's CPU interpreter (TRITON_INTERPRET=1) cannot run the kernels here, or None. Triton 3.6's turns a
+    scalar into an index as int(array), and NumPy 2.4 refuses that for a 1-element array, so every kernel's first loop
+    fails inside the interpreter (triton-lang/triton#9171; Triton 3.9's squeezes the array first)."""
+    import inspect
+    import warnings
+
+    import numpy
+    import triton
+    from triton.runtime import interpreter
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (NumPy 1.25 to 2.3 deprecate the conversion, and still make it)
+            int(numpy.zeros(1))
+        return None
+    except TypeError:
+        pass
+    try:
+        source = inspect.getsource(interpreter._patch_lang_tensor)
+    except (AttributeError, OSError, TypeError):
+        return None  # (an interpreter laid out otherwise: let it run)
+    if "int(self.handle.data)" not in source:
+        return None
+    return (f"TRITON_INTERPRET=1: the CPU interpreter of Triton {triton.__version__} cannot run with NumPy "
+            f"{numpy.__version__} (it reads scalars with int(array), which NumPy 2.4 refuses: triton-lang/triton#9171); "
+            "install a later Triton (3.9 is tested) or numpy<2.4")
+
+
 class overridden:
     """with env.overridden(PINGPONG=False, TMA_MODE="0"): these switches changed for the block, then put back: the
     benchmarks time the portable kernels (what a GPU without the Hopper kernels runs) beside the ping-pong ones in

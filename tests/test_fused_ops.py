@@ -395,3 +395,28 @@ def test_strided_bias_and_buffers_are_rejected_not_misread():
     saved = make((M, N), torch.float32)
     with pytest.raises(ValueError, match="saved must have unit column stride"):
         linear_act_dgrad(make((M, 40), torch.float32), w_proj, torch.repeat_interleave(saved, 2, dim=1)[:, ::2], "gelu")
+
+
+def test_interpreter_problem_names_the_versions_and_the_remedy(monkeypatch):
+    """env.interpreter_problem (fused_ops refuses to import under TRITON_INTERPRET=1 when it answers): None for the
+    Triton and NumPy this suite runs on; for Triton 3.6's interpreter, which reads a scalar with int(array), beside a
+    NumPy that refuses that (2.4), one line naming both versions and what to install."""
+    import numpy
+    import triton
+    from triton.runtime import interpreter
+    from fused_ops import env
+    assert env.interpreter_problem() is None
+
+    def _patch_lang_tensor(tensor, scope):  # (the line of Triton 3.6's)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    class Refused:  # (NumPy 2.4's 1-element array: no int() of it)
+        def __int__(self):
+            raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", _patch_lang_tensor)
+    monkeypatch.setattr(numpy, "zeros", lambda *shape, **kw: Refused())
+    problem = env.interpreter_problem()
+    assert problem.startswith(f"TRITON_INTERPRET=1: the CPU interpreter of Triton {triton.__version__} cannot run with "
+                              f"NumPy {numpy.__version__} ")
+    assert problem.endswith("install a later Triton (3.9 is tested) or numpy<2.4")
