@@ -45,8 +45,8 @@ Then, above the core:
 
 from . import env
 
-if env.INTERPRET and env.interpreter_problem():  # (before any kernel: model.py's mlp="auto" then runs eager)
-    raise ImportError(env.interpreter_problem())
+if env.INTERPRET and (problem := env.interpreter_problem()):  # (before any kernel: mlp="auto" then runs eager)
+    raise ImportError(problem)
 
 from .activations import GATED, PLAIN, kernel_activations
 from .dgrad import linear_act_dgrad
