@@ -45,8 +45,9 @@ Then, above the core:
 
 from . import env
 
-if env.INTERPRET and (problem := env.interpreter_problem()):  # (before any kernel: mlp="auto" then runs eager)
-    raise ImportError(problem)
+_interpreter_problem = env.INTERPRET and env.interpreter_problem()
+if _interpreter_problem:  # (before any kernel is defined: model.py's mlp="auto" then runs eager)
+    raise ImportError(_interpreter_problem)
 
 from .activations import GATED, PLAIN, kernel_activations
 from .dgrad import linear_act_dgrad
